@@ -1,0 +1,1 @@
+"""TensorRT-LLM-shaped PyTorch serving engine."""

@@ -1,0 +1,1 @@
+"""attention_backend."""

@@ -1,0 +1,128 @@
+"""Attention backend interface: per-step metadata and backend capabilities.
+
+A step packs the new tokens of all scheduled requests into one flat token axis
+(no padding). For request ``b`` the KV it attends to is laid out in its pages::
+
+    positions:  0 ........ num_cached[b]-1 | num_cached[b] ... num_cached[b]+seq_lens[b]-1
+                <--- already in the pages ---> <---- written this step (slot_mapping) --->
+
+Queries are the new tokens. ``causal=True`` (prefill, decode, verify): new token i
+sees keys at positions <= num_cached[b] + i. ``causal=False`` (a DSpark draft block):
+every new token sees all keys < num_cached[b] + seq_lens[b].
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import ClassVar, Optional
+
+import torch
+
+BAD_PAGE_INDEX = -1
+"""Sentinel in block tables for an unallocated page. Never page 0."""
+
+
+@dataclass(frozen=True)
+class BackendCapabilities:
+    """What a backend can run. The resolver and the model check these, never class names."""
+
+    paged: bool = True
+    mla: bool = False
+    non_causal_block: bool = False
+    sliding_window: bool = False
+    fp8_kv: bool = False
+    cuda_graphs: bool = False
+    devices: tuple[str, ...] = ("cpu", "cuda")
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs (passed explicitly to every model forward).
+
+    Shapes: B = requests in the step, T = sum(seq_lens) packed new tokens.
+    """
+
+    seq_lens: list[int]                 # [B] new tokens per request
+    num_cached: list[int]               # [B] tokens already in the pages
+    block_tables: torch.Tensor          # [B, max_blocks] int32, BAD_PAGE_INDEX when unallocated
+    slot_mapping: torch.Tensor          # [T] int64 flat slot (page*P + offset); -1 = skip write
+    tokens_per_block: int
+    causal: bool = True
+    sliding_window: Optional[int] = None  # keys older than this many positions are masked
+    extras: dict = field(default_factory=dict)  # backend-owned plan state (e.g. flashinfer)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(self.seq_lens))
+
+    @property
+    def kv_lens(self) -> list[int]:
+        return [c + s for c, s in zip(self.num_cached, self.seq_lens)]
+
+    def validate(self, num_pages: int) -> None:
+        """Raise ValueError when any table entry or slot lies outside the pool."""
+        bt = self.block_tables
+        if bt.numel():
+            bad = (bt != BAD_PAGE_INDEX) & ((bt < 0) | (bt >= num_pages))
+            if bool(bad.any()):
+                raise ValueError(f"block table holds page ids outside [0, {num_pages}): "
+                                 f"{bt[bad].tolist()[:8]}")
+        sm = self.slot_mapping
+        if sm.numel():
+            bad = (sm != -1) & ((sm < 0) | (sm >= num_pages * self.tokens_per_block))
+            if bool(bad.any()):
+                raise ValueError(f"slot_mapping holds slots outside the pool: {sm[bad].tolist()[:8]}")
+
+
+class AttentionBackend(ABC):
+    """One attention implementation. Subclasses declare `name` and `capabilities`."""
+
+    name: ClassVar[str] = "ABSTRACT"
+    capabilities: ClassVar[BackendCapabilities] = BackendCapabilities()
+
+    @classmethod
+    def availability(cls, device: torch.device) -> tuple[bool, str]:
+        """(can run on `device`, reason when not)."""
+        if device.type not in cls.capabilities.devices:
+            return False, f"{cls.name} does not run on {device.type}"
+        return True, ""
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        """Per-step planning hook (called once per step before the layers run)."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        """GQA over pages.
+
+        q: [T, Hq, D]; k, v: [T, Hkv, D] (new tokens, written to the cache first);
+        kv_cache: [num_pages, 2, Hkv, P, D]. Returns [T, Hq, D].
+        """
+
+    def forward_mla(self, q: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor,
+                    metadata: AttentionMetadata, scale: float, v_dim: int) -> torch.Tensor:
+        """Absorbed MLA over paged latents (MQA with value = latent[..., :v_dim]).
+
+        q: [T, H, Dl] with Dl = kv_lora_rank + rope dim; latent: [T, Dl] new entries;
+        kv_cache: [num_pages, 1, 1, P, Dl]. Returns [T, H, v_dim] (still in latent space).
+        """
+        raise ValueError(f"attention backend {self.name} does not support MLA")
+
+
+def write_slots(cache_plane: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter new tokens into pages.
+
+    cache_plane: [num_pages, H, P, D]; values: [T, H, D]; slot_mapping: [T] (-1 skipped).
+    """
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        values, slot_mapping = values[keep], slot_mapping[keep]
+    if slot_mapping.numel() == 0:
+        return
+    p = cache_plane.shape[2]
+    page, off = slot_mapping // p, slot_mapping % p
+    cache_plane[page, :, off] = values.to(cache_plane.dtype)

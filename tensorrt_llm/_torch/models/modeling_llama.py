@@ -1,0 +1,139 @@
+"""Llama and Qwen2 causal LMs over the paged KV cache.
+
+The forward takes packed tokens and explicit per-step metadata, and can capture the
+residual-stream output (hidden + residual) of chosen decoder layers for a drafter.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..attention_backend.interface import AttentionBackend, AttentionMetadata
+from ..modules.attention import Attention
+from ..modules.gated_mlp import GatedMLP
+from ..modules.rms_norm import RMSNorm
+from ..modules.rotary_embedding import RotaryEmbedding
+from .checkpoint import require
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """The fields of an HF Llama/Qwen2 config.json this engine uses."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[dict[str, Any]]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    bos_token_id: Optional[int]
+    eos_token_id: Optional[int | list[int]]
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], source: str) -> "LlamaConfig":
+        arch = cfg.get("architectures", [None])[0]
+        heads = require(cfg, "num_attention_heads", source)
+        hidden = require(cfg, "hidden_size", source)
+        head_dim = cfg.get("head_dim") or hidden // heads
+        return cls(
+            architecture=arch,
+            vocab_size=require(cfg, "vocab_size", source),
+            hidden_size=hidden,
+            intermediate_size=require(cfg, "intermediate_size", source),
+            num_hidden_layers=require(cfg, "num_hidden_layers", source),
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rope_scaling=cfg.get("rope_scaling"),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=cfg.get("eos_token_id"),
+        )
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                   cfg.head_dim, rotary, bias=cfg.attention_bias,
+                                   rms_norm_eps=cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                md: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        """h: [T, hidden] residual stream in -> out."""
+        h = h + self.self_attn(self.input_layernorm(h), positions, kv_cache, md, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: LlamaConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Target model. Weights use HF names; `lm_head` is tied to `embed_tokens` when configured."""
+
+    def __init__(self, cfg: LlamaConfig, max_positions: Optional[int] = None):
+        super().__init__()
+        self.config = cfg
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta,
+                                      max_positions or cfg.max_position_embeddings, cfg.rope_scaling)
+        self.model = LlamaModel(cfg, self.rotary)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def checkpoint_key_rules(self) -> dict[str, list[str]]:
+        """Keys accepted-but-ignored (a tied lm_head) for strict loading."""
+        tied = ["lm_head.weight"] if self.config.tie_word_embeddings else []
+        return {"ignore": tied, "optional": tied}
+
+    def kv_cache_layout(self) -> tuple[int, int, int]:
+        """(num_layers, num_kv_heads, head_dim) of the target KV pool."""
+        c = self.config
+        return c.num_hidden_layers, c.num_key_value_heads, c.head_dim
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[torch.Tensor],
+                md: AttentionMetadata, backend: AttentionBackend,
+                capture_layer_ids: Sequence[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """input_ids, positions: [T] -> (final-normed hidden [T, H], captured [T, H] per capture id).
+
+        A captured tensor is the residual stream after that decoder layer (hidden + residual).
+        """
+        h = self.model.embed_tokens(input_ids)
+        captured: dict[int, torch.Tensor] = {}
+        want = set(capture_layer_ids)
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, positions, kv_caches[i], md, backend)
+            if i in want:
+                captured[i] = h
+        return self.model.norm(h), [captured[i] for i in capture_layer_ids]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, H] -> logits [N, V] float32."""
+        return self.lm_head(hidden).float()
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: Llama with q/k/v biases (config `attention_bias` defaults to true)."""

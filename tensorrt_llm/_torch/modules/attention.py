@@ -1,0 +1,53 @@
+"""GQA attention layer over the paged KV cache through an attention backend."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..attention_backend.interface import AttentionBackend, AttentionMetadata
+from .rms_norm import RMSNorm
+from .rotary_embedding import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    """q/k/v projections, optional per-head q/k RMSNorm, RoPE, paged attention, o_proj."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 rotary: RotaryEmbedding, bias: bool = False, qk_norm: bool = False,
+                 rms_norm_eps: float = 1e-6):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        self.q_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
+        self.rotary = rotary
+        self.scale = head_dim ** -0.5
+
+    def project_kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> roped k [T, Hkv, D], v [T, Hkv, D]."""
+        t = x.shape[0]
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return self.rotary(k, positions), v
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata, backend: AttentionBackend,
+                kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]. kv_cache: [num_pages, 2, Hkv, P, D]."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q = self.rotary(q, positions)
+        k, v = kv if kv is not None else self.project_kv(x, positions)
+        o = backend.forward(q, k, v, kv_cache, metadata, self.scale)
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))

@@ -1,0 +1,70 @@
+"""Per-request state held by the executor."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ...sampling_params import SamplingParams
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"
+    CONTEXT = "context"          # prompt (possibly chunked) being prefilled
+    GENERATION = "generation"
+    FINISHED = "finished"
+
+
+@dataclass
+class LlmRequest:
+    """A request's tokens and progress.
+
+    tokens = prompt + output. `num_computed` = tokens whose KV is in the target pool;
+    in GENERATION the next input is tokens[num_computed:] (the last sampled token).
+    """
+
+    request_id: int
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    end_ids: frozenset[int] = frozenset()
+    output_token_ids: list[int] = field(default_factory=list)
+    state: RequestState = RequestState.WAITING
+    num_computed: int = 0
+    num_cached_prompt: int = 0      # prompt tokens reused from the prefix cache
+    finish_reason: Optional[str] = None
+    error: Optional[str] = None
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: Optional[float] = None
+    finish_time: Optional[float] = None
+    draft_tokens: list[int] = field(default_factory=list)   # proposed, awaiting verification
+    draft_probs: object = None                               # [K, V] drafter probs (T>0)
+    context_only: bool = False      # disaggregation: stop after the first token
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state == RequestState.FINISHED
+
+    def remaining_prompt(self) -> int:
+        return max(0, self.prompt_len - self.num_computed)
+
+    def reserve_tokens(self, spec_slack: int) -> int:
+        """Tokens of KV this request may ever need (prompt + outputs + draft slack)."""
+        return self.prompt_len + self.sampling_params.max_tokens + spec_slack
+
+    def finish(self, reason: str) -> None:
+        self.state = RequestState.FINISHED
+        self.finish_reason = reason
+        self.finish_time = time.perf_counter()

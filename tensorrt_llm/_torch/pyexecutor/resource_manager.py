@@ -1,0 +1,228 @@
+"""KVCacheManager: paged target and draft pools sharing one block addressing.
+
+Design: one `BlockPool` hands out page ids; every pool (the target's, and the DSpark
+drafter's when present) is a separate tensor indexed by the *same* page id. Token
+parity therefore holds by construction, one prefix-cache hit covers both pools, and a
+request's block table is valid for both. Per request the manager holds its page list::
+
+    pages:  [p0][p1][p2][ BAD_PAGE_INDEX ... ]    (table width = ceil(max_seq_len / P))
+    tokens: 0..P-1 | P..2P-1 | 2P..              (absolute positions)
+
+Scheduling reserves pages up front (never admit what cannot finish), so allocation
+during a step never fails; pages are materialised lazily as tokens arrive.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from ..attention_backend.interface import BAD_PAGE_INDEX
+from .block_pool import BlockPool, chain_hash
+from .kv_cache_spec import KVCacheSpec
+
+logger = logging.getLogger("tensorrt_llm")
+
+
+@dataclass
+class SequenceBlocks:
+    pages: list[int] = field(default_factory=list)
+    reserved_pages: int = 0
+    num_hashed_blocks: int = 0
+    last_hash: Optional[int] = None
+    num_draft_valid_tokens: int = 0
+
+
+class KVCacheManager:
+    """Owns the KV pools and per-request page lists (prepare / commit / free lifecycle)."""
+
+    def __init__(self, specs: Sequence[KVCacheSpec], num_pages: int, tokens_per_block: int,
+                 max_seq_len: int, device: torch.device, enable_block_reuse: bool = False,
+                 cache_salt: str = ""):
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names) or "target" not in names:
+            raise ValueError(f"KV specs need unique names including 'target', got {names}")
+        self.specs = {s.name: s for s in specs}
+        self.tokens_per_block = tokens_per_block
+        self.num_pages = num_pages
+        self.max_seq_len = max_seq_len
+        self.max_blocks_per_seq = -(-max_seq_len // tokens_per_block)
+        self.device = device
+        self.pool = BlockPool(num_pages, enable_block_reuse)
+        self.cache_salt = cache_salt
+        self.pools: dict[str, torch.Tensor] = {
+            s.name: torch.zeros((s.num_layers,) + s.layer_shape(num_pages, tokens_per_block),
+                                dtype=s.dtype, device=device) for s in specs}
+        self.seqs: dict[int, SequenceBlocks] = {}
+        self._reserved_unallocated = 0
+
+    # ---- pools -------------------------------------------------------------------------
+    def layer_caches(self, name: str) -> list[torch.Tensor]:
+        """Per-layer views [num_pages, planes, heads, P, D] of pool `name`."""
+        return list(self.pools[name].unbind(0))
+
+    @property
+    def has_draft_pool(self) -> bool:
+        return "draft" in self.specs
+
+    @property
+    def max_tokens(self) -> int:
+        return self.num_pages * self.tokens_per_block
+
+    # ---- admission ---------------------------------------------------------------------
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.tokens_per_block)
+
+    def available_pages(self) -> int:
+        return self.pool.num_free - self._reserved_unallocated
+
+    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """Cached pages covering a prefix of `token_ids` (full blocks, never the whole prompt).
+
+        With a draft pool, matching stops at the first block whose draft context is missing
+        (counted as a draft recompute): the target recomputes it so the drafter never drafts
+        over a gap.
+        """
+        if not self.pool.enable_reuse:
+            return []
+        p, out, parent = self.tokens_per_block, [], None
+        n_full = (len(token_ids) - 1) // p      # keep >= 1 token to compute
+        for i in range(n_full):
+            blk_tokens = token_ids[i * p:(i + 1) * p]
+            h = chain_hash(parent, blk_tokens, self.cache_salt)
+            self.pool.stats.lookups_blocks += 1
+            bid = self.pool.lookup(h, blk_tokens)
+            if bid is None:
+                break
+            if self.has_draft_pool and not self.pool.blocks[bid].draft_valid:
+                self.pool.stats.draft_recompute_blocks += 1
+                break
+            out.append(bid)
+            parent = h
+        return out
+
+    def can_admit(self, token_ids: Sequence[int], reserve_tokens: int) -> bool:
+        hits = self.match_prefix_peek(token_ids)
+        idle_hits = sum(1 for b in hits if self.pool.blocks[b].ref_count == 0)
+        need = self.pages_for(reserve_tokens) - len(hits) + idle_hits
+        return need <= self.available_pages()
+
+    def match_prefix_peek(self, token_ids: Sequence[int]) -> list[int]:
+        saved = (self.pool.stats.lookups_blocks, self.pool.stats.draft_recompute_blocks)
+        hits = self.match_prefix(token_ids)
+        self.pool.stats.lookups_blocks, self.pool.stats.draft_recompute_blocks = saved
+        return hits
+
+    def add_sequence(self, req_id: int, token_ids: Sequence[int], reserve_tokens: int) -> int:
+        """Register a request, reusing cached prefix pages. Returns the number of cached tokens."""
+        if req_id in self.seqs:
+            raise ValueError(f"request {req_id} already has KV pages")
+        if reserve_tokens > self.max_seq_len + self.tokens_per_block * 2:
+            raise ValueError(f"request {req_id} reserves {reserve_tokens} tokens > max_seq_len")
+        hits = self.match_prefix(token_ids)
+        for bid in hits:
+            self.pool.touch(bid)
+        st = self.pool.stats
+        st.hit_blocks += len(hits)
+        st.draft_hit_blocks += len(hits) if self.has_draft_pool else 0
+        st.reused_tokens += len(hits) * self.tokens_per_block
+        seq = SequenceBlocks(pages=list(hits), reserved_pages=max(self.pages_for(reserve_tokens), len(hits)))
+        seq.num_hashed_blocks = len(hits)
+        if hits:
+            seq.last_hash = self.pool.blocks[hits[-1]].block_hash
+        seq.num_draft_valid_tokens = len(hits) * self.tokens_per_block
+        self._reserved_unallocated += seq.reserved_pages - len(seq.pages)
+        self.seqs[req_id] = seq
+        return len(hits) * self.tokens_per_block
+
+    # ---- per-step ----------------------------------------------------------------------
+    def ensure_capacity(self, req_id: int, num_tokens: int) -> int:
+        """Own pages for positions < num_tokens, within the reservation. Returns tokens owned."""
+        seq = self.seqs[req_id]
+        want = min(self.pages_for(num_tokens), seq.reserved_pages, self.max_blocks_per_seq)
+        while len(seq.pages) < want:
+            seq.pages.append(self.pool.allocate())
+            self._reserved_unallocated -= 1
+        return len(seq.pages) * self.tokens_per_block
+
+    def owned_tokens(self, req_id: int) -> int:
+        return len(self.seqs[req_id].pages) * self.tokens_per_block
+
+    def slots(self, req_id: int, start: int, count: int) -> list[int]:
+        """Flat slots for positions start..start+count-1; -1 beyond the pages the request owns."""
+        pages, p = self.seqs[req_id].pages, self.tokens_per_block
+        out = []
+        for pos in range(start, start + count):
+            bi = pos // p
+            out.append(pages[bi] * p + pos % p if 0 <= bi < len(pages) else -1)
+        return out
+
+    def block_tables(self, req_ids: Sequence[int], device: Optional[torch.device] = None) -> torch.Tensor:
+        """[B, max_blocks] int32; unallocated entries hold BAD_PAGE_INDEX."""
+        width = max([len(self.seqs[r].pages) for r in req_ids] + [1])
+        bt = torch.full((len(req_ids), width), BAD_PAGE_INDEX, dtype=torch.int32)
+        for i, r in enumerate(req_ids):
+            pages = self.seqs[r].pages
+            if pages:
+                bt[i, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        return bt.to(device or self.device)
+
+    def commit(self, req_id: int, token_ids: Sequence[int], num_committed: int) -> None:
+        """Publish full blocks whose tokens are committed (verified and in the target KV).
+
+        With a draft pool a block is published only once its draft context is written too
+        (see `mark_draft_written`), so a shared block always carries both pools' KV.
+        """
+        seq = self.seqs[req_id]
+        p = self.tokens_per_block
+        limit = num_committed
+        if self.has_draft_pool:
+            limit = min(limit, seq.num_draft_valid_tokens)
+        while (seq.num_hashed_blocks + 1) * p <= limit and seq.num_hashed_blocks < len(seq.pages):
+            i = seq.num_hashed_blocks
+            blk_tokens = token_ids[i * p:(i + 1) * p]
+            h = chain_hash(seq.last_hash, blk_tokens, self.cache_salt)
+            bid = seq.pages[i]
+            if self.has_draft_pool:
+                self.pool.blocks[bid].draft_valid = True
+            self.pool.register(bid, h, blk_tokens)
+            seq.last_hash, seq.num_hashed_blocks = h, i + 1
+
+    def mark_draft_written(self, req_id: int, num_tokens: int) -> None:
+        """Draft context KV is now stored for positions < num_tokens of this request."""
+        seq = self.seqs[req_id]
+        seq.num_draft_valid_tokens = max(seq.num_draft_valid_tokens, num_tokens)
+
+    def free(self, req_id: int) -> None:
+        seq = self.seqs.pop(req_id, None)
+        if seq is None:
+            return
+        self._reserved_unallocated -= seq.reserved_pages - len(seq.pages)
+        for bid in reversed(seq.pages):   # tail first, so eviction takes tails before heads
+            self.pool.release(bid)
+
+    # ---- reporting ---------------------------------------------------------------------
+    def report(self) -> dict:
+        p = self.tokens_per_block
+        pools = {}
+        for name, s in self.specs.items():
+            pools[name] = {
+                "kind": s.kind, "dtype": str(s.dtype).replace("torch.", ""),
+                "bytes_per_token": s.bytes_per_token, "max_tokens": self.max_tokens,
+                "num_layers": s.num_layers, "layer_shape": list(s.layer_shape(self.num_pages, p)),
+                "shape_str": s.describe(self.num_pages, p),
+                "bytes": s.bytes_per_token * self.max_tokens,
+            }
+        st = self.pool.stats
+        return {
+            "tokens_per_block": p, "num_pages": self.num_pages, "max_tokens": self.max_tokens,
+            "bytes_per_token_total": sum(s.bytes_per_token for s in self.specs.values()),
+            "pools": pools, "free_pages": self.pool.num_free, "active_sequences": len(self.seqs),
+            "reuse": {"enabled": self.pool.enable_reuse, "lookups_blocks": st.lookups_blocks,
+                      "hit_blocks": st.hit_blocks, "draft_hit_blocks": st.draft_hit_blocks,
+                      "draft_recompute_blocks": st.draft_recompute_blocks,
+                      "reused_tokens": st.reused_tokens, "evictions": st.evictions,
+                      "hit_rate": st.hit_blocks / st.lookups_blocks if st.lookups_blocks else 0.0},
+        }

@@ -1,0 +1,130 @@
+"""Strict pydantic configuration for the LLM API (TensorRT-LLM names).
+
+Configuration enters the engine only through these models. They are frozen once
+validated: nothing downstream mutates them.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+AttentionBackendName = Literal["AUTO", "VANILLA", "FLASHINFER", "TRTLLM", "CUTEDSL"]
+KvDtypeName = Literal["auto", "bfloat16", "float16", "float32", "fp8"]
+ModelDtypeName = Literal["auto", "bfloat16", "float16", "float32"]
+
+
+class StrictBaseModel(BaseModel):
+    """Base for every config: unknown keys are errors, validated objects are frozen."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class KvCacheConfig(StrictBaseModel):
+    """Paged KV cache sizing and behaviour."""
+
+    free_gpu_memory_fraction: float = Field(
+        default=0.9, gt=0.0, le=1.0,
+        description="Fraction of free device memory (after weights) given to the KV pools "
+        "when `max_tokens` is not set.")
+    max_tokens: Optional[int] = Field(
+        default=None, ge=1,
+        description="Token capacity of the KV pool(s). Overrides free_gpu_memory_fraction. "
+        "With a drafter, both target and draft pools get this capacity (token parity).")
+    tokens_per_block: int = Field(
+        default=32, ge=1, le=1024, description="Tokens per KV page (block).")
+    enable_block_reuse: bool = Field(
+        default=False, description="Prefix caching: reuse full, verified blocks across requests.")
+    dtype: KvDtypeName = Field(
+        default="auto", description="Target KV pool dtype; 'auto' = model dtype. "
+        "'fp8' = float8_e4m3fn storage (the drafter pool keeps its own dtype).")
+    cpu_kv_budget_bytes: int = Field(
+        default=256 * 1024 * 1024, ge=1024,
+        description="Memory budget for the KV pools on CPU, where free device memory is not "
+        "meaningful and `max_tokens` is not set.")
+
+    @field_validator("tokens_per_block")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"tokens_per_block must be a power of two, got {v}")
+        return v
+
+
+class DSparkDecodingConfig(StrictBaseModel):
+    """DSpark block-draft speculative decoding (drafter fed the target's hidden states)."""
+
+    decoding_type: Literal["DSpark"] = Field(
+        default="DSpark", description="Discriminator of the speculative_config union.")
+    speculative_model: str = Field(
+        description="Path to the drafter checkpoint folder (config.json + safetensors).")
+    max_draft_len: Optional[int] = Field(
+        default=None, ge=1,
+        description="Drafts verified per step; <= the trained block size (default: block size "
+        "with shift_label, block size - 1 without).")
+    attention_backend: AttentionBackendName = Field(
+        default="AUTO", description="Attention backend for the drafter.")
+    use_rejection_sampling: bool = Field(
+        default=True, description="At temperature > 0 verify with lossless rejection sampling.")
+    mask_token_id: Optional[int] = Field(
+        default=None, ge=0, description="Override of dspark_config.mask_token_id.")
+    target_layer_ids: Optional[list[int]] = Field(
+        default=None, description="Override of dspark_config.target_layer_ids.")
+    accept_stats_dir: Optional[str] = Field(
+        default=None, description="Folder for dspark_accept_stats_rank{r}.json (None: not written).")
+
+
+SpeculativeConfig = Annotated[Union[DSparkDecodingConfig], Field(discriminator="decoding_type")]
+
+
+class TorchLlmArgs(StrictBaseModel):
+    """Arguments of `LLM(...)`; also the shape of a YAML `--extra_llm_api_options` file."""
+
+    model: str = Field(description="Path to an HF-format checkpoint folder.")
+    tokenizer: Optional[str] = Field(default=None, description="Tokenizer folder (default: model).")
+    dtype: ModelDtypeName = Field(
+        default="auto", description="Weight/activation dtype; 'auto' = bfloat16 on CUDA, float32 on CPU.")
+    device: Optional[str] = Field(
+        default=None, description="'cuda', 'cuda:N' or 'cpu'; default CUDA when available.")
+    max_batch_size: int = Field(default=64, ge=1, description="Max requests in flight per step.")
+    max_num_tokens: int = Field(
+        default=2048, ge=1, description="Token budget per step (chunked prefill splits prompts).")
+    max_seq_len: Optional[int] = Field(
+        default=None, ge=2, description="Max prompt + output tokens; default the model's.")
+    enable_chunked_prefill: bool = Field(
+        default=True, description="Split long prompts over steps to respect max_num_tokens.")
+    attn_backend: AttentionBackendName = Field(
+        default="AUTO", description="Attention backend of the target model.")
+    use_cuda_graph: bool = Field(
+        default=False, description="Capture decode/verify steps in CUDA graphs (CUDA only).")
+    kv_cache_config: KvCacheConfig = Field(
+        default_factory=KvCacheConfig, description="Paged KV cache settings.")
+    speculative_config: Optional[SpeculativeConfig] = Field(
+        default=None, description="Speculative decoding; `decoding_type` selects the kind.")
+    seed: int = Field(default=0, description="Default seed for sampling without a per-request seed.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "TorchLlmArgs":
+        if self.device is not None and not (
+                self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.max_num_tokens < self.max_batch_size and not self.enable_chunked_prefill:
+            raise ValueError("max_num_tokens must be >= max_batch_size")
+        return self
+
+    @classmethod
+    def from_yaml(cls, path: Union[str, Path], **overrides) -> "TorchLlmArgs":
+        """Load args from a YAML file; keyword overrides win. Unknown keys raise."""
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"LLM args YAML not found: {p}")
+        data = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{p}: top level must be a mapping, got {type(data).__name__}")
+        data.update(overrides)
+        try:
+            return cls(**data)
+        except Exception as e:  # re-raise with the file name
+            raise ValueError(f"{p}: invalid LLM args: {e}") from e
