@@ -1,1 +1,5 @@
-"""TensorRT-LLM-shaped PyTorch serving engine."""
+"""TensorRT-LLM-shaped PyTorch serving engine with DSpark block-draft speculative decoding."""
+from .llmapi import LLM, DSparkDecodingConfig, KvCacheConfig, SamplingParams, TorchLlmArgs
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "KvCacheConfig", "TorchLlmArgs", "DSparkDecodingConfig"]

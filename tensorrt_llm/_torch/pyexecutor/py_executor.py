@@ -1,0 +1,201 @@
+"""PyExecutor: the loop `scheduler.schedule()` -> `model_engine.forward()` -> sample/verify -> update.
+
+Runs in a background thread (`start()`), or step by step (`step()`) for tests. A
+request that fails (bad input found late, an exception in its own post-processing) is
+finished with an error; the loop keeps serving the others.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import traceback
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from .llm_request import LlmRequest, RequestState
+from .model_engine import ForwardSegment, ModelEngine
+from .resource_manager import KVCacheManager
+from .sampler import Sampler
+from .scheduler import Scheduler
+
+logger = logging.getLogger("tensorrt_llm")
+
+UpdateCallback = Callable[[LlmRequest, list[int]], None]
+
+
+class PyExecutor:
+    def __init__(self, engine: ModelEngine, scheduler: Scheduler, sampler: Sampler, kv: KVCacheManager,
+                 decode: Callable[[Sequence[int]], str], spec_worker=None):
+        self.engine, self.scheduler, self.sampler, self.kv = engine, scheduler, sampler, kv
+        self.decode = decode
+        self.spec = spec_worker
+        self._incoming: "queue.Queue[tuple[LlmRequest, UpdateCallback]]" = queue.Queue()
+        self._callbacks: dict[int, UpdateCallback] = {}
+        self._thread: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self.iterations = 0
+        self.fatal_error: Optional[str] = None
+
+    # ---- submission --------------------------------------------------------------------
+    def enqueue_request(self, req: LlmRequest, on_update: UpdateCallback) -> None:
+        if self.fatal_error is not None:
+            raise RuntimeError(f"executor stopped after a fatal error: {self.fatal_error}")
+        self._incoming.put((req, on_update))
+        self._wake.set()
+
+    def _drain_incoming(self) -> None:
+        while True:
+            try:
+                req, cb = self._incoming.get_nowait()
+            except queue.Empty:
+                return
+            self._callbacks[req.request_id] = cb
+            self.scheduler.add(req)
+
+    # ---- loop --------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="PyExecutor", daemon=True)
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._drain_incoming()
+            if not self.scheduler.has_work:
+                self._wake.wait(timeout=0.05)
+                self._wake.clear()
+                continue
+            try:
+                self.step()
+            except Exception as e:  # a bug in the step itself: fail all in-flight requests
+                self.fatal_error = f"{type(e).__name__}: {e}"
+                logger.error("executor step failed:\n%s", traceback.format_exc())
+                for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+                    req.error = self.fatal_error
+                    req.finish("error")
+                    self._notify(req, [])
+                self.scheduler.running.clear()
+                self.scheduler.waiting.clear()
+                return
+
+    def run_until_idle(self) -> None:
+        """Synchronous driver (tests, offline)."""
+        self._drain_incoming()
+        while self.scheduler.has_work:
+            self.step()
+            self._drain_incoming()
+
+    # ---- one iteration -----------------------------------------------------------------
+    def step(self) -> None:
+        batch = self.scheduler.schedule()
+        if batch.empty:
+            if self.scheduler.waiting and not self.scheduler.running:
+                req = self.scheduler.waiting.popleft()
+                req.error = "request can never fit in the KV cache"
+                req.finish("error")
+                self._notify(req, [])
+            return
+        self.iterations += 1
+        segments, kinds = [], []
+        for req, n in zip(batch.context_requests, batch.context_chunks):
+            start = req.num_computed
+            finishes = start + n >= req.prompt_len
+            self.kv.ensure_capacity(req.request_id, start + n + self._draft_room(finishes))
+            segments.append(ForwardSegment(req.request_id, req.prompt_token_ids[start:start + n],
+                                           start, 1 if finishes else 0))
+            kinds.append("ctx")
+        for req in batch.generation_requests:
+            toks = [req.all_token_ids[req.num_computed]] + list(req.draft_tokens)
+            self.kv.ensure_capacity(req.request_id, req.num_computed + len(toks) + self._draft_room(True))
+            segments.append(ForwardSegment(req.request_id, toks, req.num_computed, len(toks)))
+            kinds.append("gen")
+        out = self.engine.forward(segments)
+        committed: list[tuple[LlmRequest, int, int, int]] = []  # (req, row0, start, n) for the drafter
+        for i, (seg, kind) in enumerate(zip(segments, kinds)):
+            req = self._request(seg.request_id, batch)
+            lo = out.logits_offsets[i]
+            try:
+                if kind == "ctx":
+                    req.num_computed += len(seg.token_ids)
+                    committed.append((req, out.token_offsets[i], seg.start, len(seg.token_ids)))
+                    if seg.num_logits:
+                        tok = self.sampler.sample(out.logits[lo:lo + 1], [req.request_id],
+                                                  [req.sampling_params])[0]
+                        req.state = RequestState.GENERATION
+                        if req.first_token_time is None:
+                            req.first_token_time = time.perf_counter()
+                        self._append(req, [tok])
+                else:
+                    rows = out.logits[lo:lo + seg.num_logits]
+                    new = self.spec.accept(req, rows) if self.spec else self.sampler.sample(
+                        rows, [req.request_id], [req.sampling_params])
+                    req.num_computed += len(new)
+                    committed.append((req, out.token_offsets[i], seg.start, len(new)))
+                    self._append(req, new)
+                self.kv.commit(req.request_id, req.all_token_ids, req.num_computed)
+            except Exception as e:
+                req.error = f"{type(e).__name__}: {e}"
+                logger.error("request %d failed: %s", req.request_id, req.error)
+                req.finish("error")
+                self._notify(req, [])
+        if self.spec is not None:
+            self.spec.draft_step(committed, out.captured, self.kv)
+        for req in self.scheduler.remove_finished():
+            self.sampler.release(req.request_id)
+            if self.spec is not None:
+                self.spec.release(req)
+
+    def _draft_room(self, generating: bool) -> int:
+        return self.spec.lookahead_tokens if (self.spec is not None and generating) else 0
+
+    @staticmethod
+    def _request(rid: int, batch) -> LlmRequest:
+        for r in batch.context_requests + batch.generation_requests:
+            if r.request_id == rid:
+                return r
+        raise KeyError(rid)
+
+    def _append(self, req: LlmRequest, tokens: list[int]) -> None:
+        """Append newly committed tokens, applying stop criteria in order."""
+        p = req.sampling_params
+        emitted: list[int] = []
+        for tok in tokens:
+            if not p.ignore_eos and (tok in req.end_ids or tok in p.stop_token_ids):
+                req.finish("stop")
+                break
+            req.output_token_ids.append(tok)
+            emitted.append(tok)
+            if len(req.output_token_ids) >= p.max_tokens:
+                req.finish("length")
+                break
+            if p.stop_strings and self._hit_stop_string(req):
+                req.finish("stop")
+                break
+            if req.context_only:
+                req.finish("context_done")
+                break
+        self._notify(req, emitted)
+
+    def _hit_stop_string(self, req: LlmRequest) -> bool:
+        stops = req.sampling_params.stop_strings
+        window = max(len(s) for s in stops) + 8
+        tail = self.decode(req.output_token_ids[-window:])
+        return any(s in tail for s in stops)
+
+    def _notify(self, req: LlmRequest, new_tokens: list[int]) -> None:
+        cb = self._callbacks.get(req.request_id)
+        if cb is not None:
+            cb(req, new_tokens)
+        if req.is_finished:
+            self._callbacks.pop(req.request_id, None)

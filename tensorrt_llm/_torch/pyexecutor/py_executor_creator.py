@@ -1,0 +1,124 @@
+"""Builds a PyExecutor from validated `TorchLlmArgs`: model, backends, KV pools, drafter."""
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from ...llmapi.llm_args import TorchLlmArgs
+from ...llmapi.tokenizer import TokenizerWrapper
+from ..attention_backend.resolver import create_backend
+from ..models import load_target_model
+from .kv_cache_spec import KVCacheSpec, kv_dtype_from_name, split_budget
+from .model_engine import ModelEngine
+from .py_executor import PyExecutor
+from .resource_manager import KVCacheManager
+from .sampler import Sampler
+from .scheduler import Scheduler
+
+logger = logging.getLogger("tensorrt_llm")
+
+_MODEL_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_device(name: Optional[str]) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _MODEL_DTYPES[name]
+
+
+@dataclass
+class ExecutorBundle:
+    executor: PyExecutor
+    kv: KVCacheManager
+    model: torch.nn.Module
+    max_seq_len: int
+    device: torch.device
+    dtype: torch.dtype
+    report: dict[str, Any]
+
+
+def _budget_bytes(args: TorchLlmArgs, device: torch.device) -> int:
+    kvc = args.kv_cache_config
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * kvc.free_gpu_memory_fraction)
+    return kvc.cpu_kv_budget_bytes
+
+
+def create_py_executor(args: TorchLlmArgs, tokenizer: TokenizerWrapper) -> ExecutorBundle:
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    from ..models.checkpoint import read_config
+    model_max = int(read_config(args.model).get("max_position_embeddings", 2048))
+    max_seq_len = args.max_seq_len or model_max
+    if max_seq_len > model_max:
+        raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings {model_max}")
+    model = load_target_model(args.model, dtype, device, max_positions=max_seq_len + 64)
+    cfg = model.config
+    backend, res = create_backend(args.attn_backend, device, mla=False)
+    kvc = args.kv_cache_config
+    kv_dtype = kv_dtype_from_name(kvc.dtype, dtype)
+    n_layers, n_kv, head_dim = model.kv_cache_layout()
+    specs = [KVCacheSpec("target", "gqa", n_layers, 2, n_kv, head_dim, kv_dtype)]
+    spec_worker, drafter_report = None, None
+    salt = f"target:{Path(args.model).resolve()}"
+    if args.speculative_config is not None:
+        from ..speculative.dspark_worker import create_dspark_worker
+        spec_worker = create_dspark_worker(args.speculative_config, model, dtype, device, max_seq_len)
+        specs.append(spec_worker.kv_cache_spec)
+        salt += f"|draft:{spec_worker.identity}"
+        drafter_report = spec_worker.describe()
+    p = kvc.tokens_per_block
+    if kvc.max_tokens is not None:
+        num_pages = -(-kvc.max_tokens // p)
+    else:
+        num_pages = split_budget(_budget_bytes(args, device), specs, p)
+    kv = KVCacheManager(specs, num_pages, p, max_seq_len, device,
+                        enable_block_reuse=kvc.enable_block_reuse,
+                        cache_salt=hashlib.sha256(salt.encode()).hexdigest()[:16])
+    capture = spec_worker.capture_layer_ids if spec_worker else ()
+    engine = ModelEngine(model, kv, backend, device, capture)
+    lookahead = spec_worker.lookahead_tokens if spec_worker else 0
+    tokens_per_gen = 1 + (spec_worker.max_draft_len if spec_worker else 0)
+    sched = Scheduler(kv, args.max_batch_size, max(args.max_num_tokens, tokens_per_gen),
+                      args.enable_chunked_prefill, tokens_per_gen, spec_slack=lookahead + tokens_per_gen)
+    sampler = Sampler(args.seed, device)
+    if spec_worker is not None:
+        spec_worker.bind(kv, sampler)
+    executor = PyExecutor(engine, sched, sampler, kv, tokenizer.decode, spec_worker)
+    report = kv.report()
+    report.update({
+        "device": str(device), "dtype": str(dtype).replace("torch.", ""), "max_seq_len": max_seq_len,
+        "attention_backend": {"target": {"name": res.name, "reason": res.reason}},
+        "model": {"architecture": cfg.architecture, "layers": cfg.num_hidden_layers,
+                  "hidden": cfg.hidden_size, "vocab": cfg.vocab_size},
+    })
+    if drafter_report:
+        report["attention_backend"]["draft"] = drafter_report.pop("attention_backend")
+        report["drafter"] = drafter_report
+    _log_capacity(report)
+    return ExecutorBundle(executor, kv, model, max_seq_len, device, dtype, report)
+
+
+def _log_capacity(report: dict[str, Any]) -> None:
+    lines = [f"KV capacity: {report['max_tokens']} tokens/pool, {report['num_pages']} pages x "
+             f"{report['tokens_per_block']} tokens, {report['bytes_per_token_total']} B/token total"]
+    for name, pool in report["pools"].items():
+        lines.append(f"  {name}: {pool['shape_str']}  {pool['bytes_per_token']} B/token")
+    for role, b in report["attention_backend"].items():
+        lines.append(f"  attention[{role}]: {b['name']} ({b['reason']})")
+    logger.info("\n".join(lines))

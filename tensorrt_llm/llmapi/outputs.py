@@ -1,0 +1,111 @@
+"""Request outputs and the handle returned by `generate_async` (sync, async and streaming)."""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: Optional[str] = None   # "stop" | "length" | "error" | None while running
+    error: Optional[str] = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    metrics: dict = field(default_factory=dict)   # ttft_s, e2e_s, num_cached_prompt_tokens
+
+
+class GenerationResult:
+    """Handle of one request. `.result()` blocks; `async for` streams; `await .aresult()`."""
+
+    def __init__(self, request_id: int, prompt: Optional[str], prompt_token_ids: list[int],
+                 decode: Callable[[Sequence[int]], str], stop_strings: Sequence[str],
+                 include_stop_str: bool, streaming: bool):
+        self._out = RequestOutput(request_id, prompt, list(prompt_token_ids), [CompletionOutput(0)])
+        self._decode = decode
+        self._stops = list(stop_strings)
+        self._include_stop = include_stop_str
+        self._done = threading.Event()
+        self._stream: Optional[queue.Queue] = queue.Queue() if streaming else None
+
+    @property
+    def request_id(self) -> int:
+        return self._out.request_id
+
+    # called from the executor thread
+    def _update(self, req, new_tokens: list[int]) -> None:
+        c = self._out.outputs[0]
+        c.token_ids = list(req.output_token_ids)
+        c.text = self._text(c.token_ids, req.finish_reason == "stop")
+        if req.is_finished:
+            c.finish_reason = "error" if req.error else req.finish_reason
+            c.error = req.error
+            self._out.finished = True
+            m = self._out.metrics
+            if req.first_token_time is not None:
+                m["ttft_s"] = req.first_token_time - req.arrival_time
+            if req.finish_time is not None:
+                m["e2e_s"] = req.finish_time - req.arrival_time
+            m["num_cached_prompt_tokens"] = req.num_cached_prompt
+        if self._stream is not None and (new_tokens or req.is_finished):
+            self._stream.put(self._snapshot())
+        if req.is_finished:
+            self._done.set()
+
+    def _text(self, ids: list[int], stopped: bool) -> str:
+        text = self._decode(ids)
+        hits = [(text.find(s), s) for s in self._stops if s in text] if stopped else []
+        if hits:
+            i, s = min(hits)
+            text = text[:i + (len(s) if self._include_stop else 0)]
+        return text
+
+    def _snapshot(self) -> RequestOutput:
+        c = self._out.outputs[0]
+        return RequestOutput(self._out.request_id, self._out.prompt, self._out.prompt_token_ids,
+                             [CompletionOutput(0, c.text, list(c.token_ids), c.finish_reason, c.error)],
+                             self._out.finished, dict(self._out.metrics))
+
+    def result(self, timeout: Optional[float] = None) -> RequestOutput:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} not finished after {timeout} s")
+        return self._out
+
+    async def aresult(self) -> RequestOutput:
+        await asyncio.to_thread(self._done.wait)
+        return self._out
+
+    def __iter__(self):
+        if self._stream is None:
+            yield self.result()
+            return
+        while True:
+            snap = self._stream.get()
+            yield snap
+            if snap.finished:
+                return
+
+    def __aiter__(self):
+        return self._agen()
+
+    async def _agen(self):
+        if self._stream is None:
+            yield await self.aresult()
+            return
+        while True:
+            snap = await asyncio.to_thread(self._stream.get)
+            yield snap
+            if snap.finished:
+                return
