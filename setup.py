@@ -1,0 +1,35 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="tensorrt_llm",
+    version="0.1.0",
+    description="TensorRT-LLM-shaped PyTorch serving engine with DSpark block-draft speculative decoding",
+    packages=find_packages(include=["tensorrt_llm", "tensorrt_llm.*"]),
+    python_requires=">=3.10",
+    # torch is constrained, not pinned: CPU installs pre-install torch==2.13.0 (Makefile),
+    # the GPU image brings its own CUDA build.
+    install_requires=[
+        "torch>=2.4",
+        "numpy",
+        "pydantic>=2.5",
+        "pyyaml",
+        "safetensors",
+        "tokenizers>=0.19",
+        "gguf>=0.10",
+        "jinja2",
+        "tqdm",
+        "pyarrow",
+    ],
+    extras_require={
+        "gpu": ["flashinfer-python==0.7.2.post1"],
+        "test": ["pytest>=8", "transformers>=4.45"],
+    },
+    entry_points={
+        "console_scripts": [
+            "trtllm-fetch-model=tensorrt_llm.tools.fetch_model:main",
+            "trtllm-convert-gguf=tensorrt_llm.tools.convert_gguf:main",
+            "trtllm-bench=tensorrt_llm.bench.benchmark:main",
+            "trtllm-train-dspark=tensorrt_llm.tools.train_dspark:main",
+        ],
+    },
+)

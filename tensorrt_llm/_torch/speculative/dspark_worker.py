@@ -1,0 +1,220 @@
+"""DSpark speculative step: verify acceptance, draft-context writes and block drafting.
+
+Per generation step and request (ctx = committed tokens with target KV)::
+
+    target verify : [anchor, d1..dK] at ctx..ctx+K          -> accept a drafts + 1 target token
+    draft context : captured target hidden of [anchor, d1..da] -> draft pool at ctx..ctx+a
+    draft block   : [next anchor, MASK x (S-1)] at ctx'..ctx'+S-1 (ctx' = ctx+a+1), non-causal,
+                    written transiently into the draft pages, attending to all stored context
+
+Every draft-pool write is clamped to the pages the request owns this iteration: a write
+beyond them is skipped and that request drafts less (logged once per request); it can never
+land in a neighbour's page or page 0.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import defaultdict
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from ...llmapi.llm_args import DSparkDecodingConfig
+from ..attention_backend.interface import AttentionMetadata
+from ..attention_backend.resolver import create_backend
+from ..pyexecutor.llm_request import LlmRequest, RequestState
+from ..pyexecutor.model_engine import build_metadata
+from ..pyexecutor.sampler import Sampler, processed_probs
+from .accept_stats import AcceptStats
+from .verification import greedy_accept, rejection_accept
+
+logger = logging.getLogger("tensorrt_llm")
+
+
+class DSparkWorker:
+    def __init__(self, cfg: DSparkDecodingConfig, drafter: torch.nn.Module, backend, resolution,
+                 device: torch.device, dtype: torch.dtype, identity: str):
+        dc = drafter.config
+        if cfg.max_draft_len is not None and cfg.max_draft_len > dc.num_drafts:
+            raise ValueError(f"max_draft_len {cfg.max_draft_len} exceeds the drafter's trained "
+                             f"drafts per block ({dc.num_drafts}, block_size {dc.block_size})")
+        self.cfg = cfg
+        self.drafter = drafter
+        self.backend = backend
+        self.resolution = resolution
+        self.device = device
+        self.identity = identity
+        self.block_size = dc.block_size
+        self.max_draft_len = cfg.max_draft_len or dc.num_drafts
+        self.mask_token_id = dc.mask_token_id
+        self.capture_layer_ids = list(dc.target_layer_ids)
+        self.kv_cache_spec = drafter.kv_cache_spec(dtype)
+        self.lookahead_tokens = self.block_size   # block slots beyond the committed tokens
+        self.stats_ = AcceptStats(self.max_draft_len)
+        self._warned: set[int] = set()
+        self.kv = None
+        self.sampler: Optional[Sampler] = None
+        self.kv_caches: list[torch.Tensor] = []
+
+    def bind(self, kv, sampler: Sampler) -> None:
+        self.kv, self.sampler = kv, sampler
+        self.kv_caches = kv.layer_caches("draft")
+
+    def describe(self) -> dict:
+        dc = self.drafter.config
+        return {"architecture": dc.architecture, "block_size": dc.block_size,
+                "max_draft_len": self.max_draft_len, "target_layer_ids": list(dc.target_layer_ids),
+                "kv_bytes_per_token": self.kv_cache_spec.bytes_per_token,
+                "attention_backend": {"name": self.resolution.name, "reason": self.resolution.reason}}
+
+    # ---- verification ------------------------------------------------------------------
+    def accept(self, req: LlmRequest, rows: torch.Tensor) -> list[int]:
+        """rows [K+1, V] target logits for [anchor, d1..dK] -> committed tokens."""
+        drafts = list(req.draft_tokens)
+        p = req.sampling_params
+        if p.greedy:
+            out = greedy_accept(drafts, rows)
+        else:
+            tp = processed_probs(rows, p)
+            gen = self.sampler.generator(req.request_id, p)
+            if self.cfg.use_rejection_sampling and req.draft_probs is not None:
+                out = rejection_accept(drafts, req.draft_probs, tp, gen)
+            else:  # sample the target at each position; accept while it equals the draft
+                out = []
+                for i in range(len(drafts) + 1):
+                    tok = int(torch.multinomial(tp[i], 1, generator=gen).item())
+                    out.append(tok)
+                    if i == len(drafts) or tok != drafts[i]:
+                        break
+        self.stats_.record(len(out) - 1, len(drafts))
+        req.draft_tokens, req.draft_probs = [], None
+        return out
+
+    # ---- drafting ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def draft_step(self, committed: Sequence[tuple[LlmRequest, int, int, int]],
+                   captured: Optional[torch.Tensor], kv) -> None:
+        """Write draft context for newly committed tokens, then draft for generating requests.
+
+        committed: (request, first captured row, absolute start position, count).
+        captured: [T, n*H] target hidden states of this step's packed tokens.
+        """
+        if captured is None or not committed:
+            return
+        rows, pos, slots = [], [], []
+        for req, row0, start, n in committed:
+            s = kv.slots(req.request_id, start, n)
+            if -1 in s:
+                self._warn(req, f"draft context write beyond owned pages at {start}..{start + n - 1}")
+                self.stats_.skipped_writes += s.count(-1)
+            rows.extend(range(row0, row0 + n))
+            pos.extend(range(start, start + n))
+            slots.extend(s)
+        feats = self.drafter.context_features(captured[torch.tensor(rows, device=captured.device)])
+        self.drafter.write_context(feats, torch.tensor(pos, device=self.device),
+                                   torch.tensor(slots, dtype=torch.long, device=self.device),
+                                   self.kv_caches, self.backend)
+        for req, _, start, n in committed:
+            owned = kv.owned_tokens(req.request_id)
+            kv.mark_draft_written(req.request_id, min(start + n, owned))
+            kv.commit(req.request_id, req.all_token_ids, req.num_computed)
+        gen = [req for req, *_ in committed
+               if req.state == RequestState.GENERATION and not req.is_finished]
+        if gen:
+            self._draft(gen, kv)
+
+    def _draft(self, reqs: list[LlmRequest], kv) -> None:
+        groups: dict[int, list[LlmRequest]] = defaultdict(list)
+        for req in reqs:
+            ctx = req.num_computed
+            remaining = req.sampling_params.max_tokens - len(req.output_token_ids)
+            s = min(self.block_size, kv.owned_tokens(req.request_id) - ctx)
+            if s < self.block_size:
+                self._warn(req, f"draft block clamped to {max(s, 0)} slots by the page bound")
+            k = min(self.max_draft_len, remaining, s if self.drafter.config.shift_label else s - 1)
+            if k <= 0 or s <= 0:
+                req.draft_tokens = []
+                continue
+            groups[s].append(req)
+        for s, group in groups.items():
+            self._draft_group(group, s, kv)
+
+    def _draft_group(self, reqs: list[LlmRequest], s: int, kv) -> None:
+        ids, pos, starts = [], [], []
+        for req in reqs:
+            ctx = req.num_computed
+            ids.extend([req.all_token_ids[ctx]] + [self.mask_token_id] * (s - 1))
+            pos.extend(range(ctx, ctx + s))
+            starts.append(ctx)
+        rids = [r.request_id for r in reqs]
+        md: AttentionMetadata = build_metadata(kv, rids, starts, [s] * len(reqs), False, self.device)
+        md.validate(kv.num_pages)
+        self.backend.prepare(md)
+        hidden = self.drafter.forward_block(torch.tensor(ids, device=self.device),
+                                            torch.tensor(pos, device=self.device), md,
+                                            self.kv_caches, self.backend)
+        anchors = torch.tensor([ids[i * s] for i in range(len(reqs))], device=self.device)
+        n_slots = s if self.drafter.config.shift_label else s - 1
+        k_max = min(self.max_draft_len, n_slots)
+        probs_rows: list[list[torch.Tensor]] = [[] for _ in reqs]
+
+        def pick(logits: torch.Tensor) -> torch.Tensor:
+            out = logits.argmax(-1)
+            for i, req in enumerate(reqs):
+                p = req.sampling_params
+                if not p.greedy:
+                    q = processed_probs(logits[i:i + 1], p)[0]
+                    probs_rows[i].append(q)
+                    gen = self.sampler.generator(req.request_id, p)
+                    out[i] = torch.multinomial(q, 1, generator=gen)[0]
+            return out
+
+        draft_ids, _ = self.drafter.propose(hidden, anchors, k_max, pick)
+        draft_ids = draft_ids.tolist()
+        for i, req in enumerate(reqs):
+            remaining = req.sampling_params.max_tokens - len(req.output_token_ids)
+            k = min(k_max, remaining)
+            req.draft_tokens = draft_ids[i][:k]
+            req.draft_probs = torch.stack(probs_rows[i][:k]) if probs_rows[i] else None
+
+    def _warn(self, req: LlmRequest, msg: str) -> None:
+        if req.request_id not in self._warned:
+            self._warned.add(req.request_id)
+            logger.warning("request %d: %s (it drafts less)", req.request_id, msg)
+
+    def release(self, req: LlmRequest) -> None:
+        self._warned.discard(req.request_id)
+
+    # ---- stats -------------------------------------------------------------------------
+    def stats(self) -> dict:
+        d = self.stats_.as_dict()
+        d["attention_backend"] = self.resolution.name
+        return d
+
+    def write_stats(self, folder: Path, rank: int = 0) -> Path:
+        return self.stats_.write(folder, rank)
+
+
+def create_dspark_worker(cfg: DSparkDecodingConfig, target: torch.nn.Module, dtype: torch.dtype,
+                         device: torch.device, max_seq_len: int) -> DSparkWorker:
+    """Load the drafter (validated against the target), resolve its backend, build the worker."""
+    from ..models.modeling_dspark import load_drafter
+    overrides = {}
+    if cfg.mask_token_id is not None:
+        overrides["mask_token_id"] = cfg.mask_token_id
+    if cfg.target_layer_ids is not None:
+        overrides["target_layer_ids"] = list(cfg.target_layer_ids)
+    drafter = load_drafter(cfg.speculative_model, target.config, dtype, device, overrides)
+    n_layers = target.config.num_hidden_layers
+    bad = [i for i in drafter.config.target_layer_ids if not 0 <= i < n_layers]
+    if bad:
+        raise ValueError(f"{cfg.speculative_model}: target_layer_ids {bad} outside the target's "
+                         f"{n_layers} layers")
+    drafter.bind_target(target.model.embed_tokens, target.lm_head)
+    backend, res = create_backend(cfg.attention_backend, device, mla=drafter.config.is_mla)
+    h = hashlib.sha256(str(Path(cfg.speculative_model).resolve()).encode())
+    for f in sorted(Path(cfg.speculative_model).glob("*.safetensors")):
+        h.update(str(f.stat().st_size).encode() + str(f.stat().st_mtime_ns).encode())
+    return DSparkWorker(cfg, drafter, backend, res, device, dtype, h.hexdigest()[:16])
