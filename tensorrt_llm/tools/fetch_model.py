@@ -153,7 +153,7 @@ def _install(staged: Path, target: Path, trash: Path, name: str, source: ModelSo
         if not force and is_complete(target, name, source):
             logger.info("%s was completed by another process; keeping it", target)
             return
-        logger.info("replacing stale or incomplete %s", target)
+        logger.info("replacing %s (forced, stale or incomplete)", target)
         os.rename(target, trash)
     try:
         os.rename(staged, target)
@@ -208,7 +208,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; prints the model folder as the last line on stdout."""
     parser = argparse.ArgumentParser(prog="trtllm-fetch-model", description=__doc__.split("\n\n")[0])
     parser.add_argument("name", nargs="?", default=DEFAULT_MODEL, help=f"one of {sorted(MODEL_REGISTRY)}")
-    parser.add_argument("--cache-dir", type=Path, default=None, help="folder for models (default: $TRTLLM_CACHE_DIR/models, else ~/.cache/tensorrt_llm/models)")
+    parser.add_argument(
+        "--cache-dir", type=Path, default=None,
+        help="folder for models (default: $TRTLLM_CACHE_DIR/models, else ~/.cache/tensorrt_llm/models)",
+    )
     parser.add_argument("--force", action="store_true", help="rebuild even if the model is already cached")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
