@@ -155,6 +155,10 @@ class DSparkWorker:
         hidden = self.drafter.forward_block(torch.tensor(ids, device=self.device),
                                             torch.tensor(pos, device=self.device), md,
                                             self.kv_caches, self.backend)
+        if s < self.block_size:   # clamped block: pad rows that no draft slot reads
+            h = hidden.view(len(reqs), s, -1)
+            hidden = torch.cat([h, h.new_zeros(len(reqs), self.block_size - s, h.shape[-1])], 1)
+            hidden = hidden.reshape(len(reqs) * self.block_size, -1)
         anchors = torch.tensor([ids[i * s] for i in range(len(reqs))], device=self.device)
         n_slots = s if self.drafter.config.shift_label else s - 1
         k_max = min(self.max_draft_len, n_slots)

@@ -1,0 +1,159 @@
+"""DSpark in the engine: lossless greedy, oracle-draft acceptance paths, stats, YAML switch."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from tensorrt_llm import LLM, SamplingParams
+from tensorrt_llm._torch.models.checkpoint import read_config
+from tensorrt_llm._torch.models.modeling_dspark import DSparkForCausalLMBase
+from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
+from tensorrt_llm._torch.speculative.dspark_worker import DSparkWorker
+
+PROMPTS = ["the quick brown fox", "hello world, what is the capital of france?",
+           "a paged kv cache holds keys and values in fixed size blocks and the target verifies them",
+           "once upon a time", "speculative decoding drafts", "0123456789", "paris is", "a tiny model"]
+
+
+def _drafter_dir(tmp_path_factory, target_dir, kind: str, **overrides):
+    tc = LlamaConfig.from_dict(read_config(target_dir), "target")
+    d = DSparkForCausalLMBase.random_init(kind, tc, seed=3, markov_rank=4, **overrides)
+    out = tmp_path_factory.mktemp(f"drafter_{kind}")
+    d.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def drafters(tmp_path_factory, tiny_llama_dir):
+    return {k: _drafter_dir(tmp_path_factory, tiny_llama_dir, k) for k in ("gqa", "mla")}
+
+
+def _run(target, prompts, params, **kw):
+    kw.setdefault("kv_cache_config", {"max_tokens": 4096, "tokens_per_block": 16})
+    with LLM(str(target), device="cpu", **kw) as llm:
+        outs = llm.generate(prompts, params)
+        return [o.outputs[0].token_ids for o in outs], llm.get_stats()
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_llama_dir):
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    toks, _ = _run(tiny_llama_dir, PROMPTS, params)
+    return toks
+
+
+def _spec(drafter, **kw):
+    return {"decoding_type": "DSpark", "speculative_model": str(drafter), **kw}
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("chunked", [True, False])
+def test_random_drafter_is_lossless(tiny_llama_dir, drafters, baseline, kind, batch, chunked):
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    prompts = PROMPTS[:batch]
+    toks, stats = _run(tiny_llama_dir, prompts, params, speculative_config=_spec(drafters[kind]),
+                       max_num_tokens=8 if chunked else 256, enable_chunked_prefill=chunked,
+                       max_batch_size=batch)
+    assert toks == baseline[:batch]
+    assert stats["speculative"]["request_steps"] > 0
+
+
+def _oracle_patch(monkeypatch, truth: dict[tuple, list[int]], seed: int):
+    """Replace drafts with the baseline's true future tokens, corrupted after a random prefix."""
+    rng = random.Random(seed)
+    orig = DSparkWorker._draft_group
+
+    def patched(self, reqs, s, kv):
+        orig(self, reqs, s, kv)
+        for req in reqs:
+            k = len(req.draft_tokens)
+            fut = truth[tuple(req.prompt_token_ids)][len(req.output_token_ids):][:k]
+            keep = rng.randint(0, k)
+            drafts = list(fut[:keep]) + [(t + 1) % 512 for t in fut[keep:]]
+            drafts += [7] * (k - len(drafts))
+            req.draft_tokens = drafts[:k]
+    monkeypatch.setattr(DSparkWorker, "_draft_group", patched)
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_oracle_drafts_exercise_acceptance_and_stay_lossless(tiny_llama_dir, drafters, baseline,
+                                                             monkeypatch, kind):
+    from tensorrt_llm.llmapi.tokenizer import TokenizerWrapper
+    tk = TokenizerWrapper(tiny_llama_dir)
+    truth = {tuple(tk.encode(p)): t for p, t in zip(PROMPTS, baseline)}
+    _oracle_patch(monkeypatch, truth, seed=11)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    toks, stats = _run(tiny_llama_dir, PROMPTS, params, speculative_config=_spec(drafters[kind]),
+                       max_num_tokens=12)
+    assert toks == baseline
+    sp = stats["speculative"]
+    hist = sp["accept_histogram"]
+    assert sum(hist[1:]) > 0 and hist[-1] > 0, hist      # multi-token acceptance happened
+    assert sp["acceptance_length"] > 1.5
+    # far fewer verify steps than tokens: speculation really advanced several tokens per step
+    assert sp["request_steps"] < sum(len(t) for t in baseline)
+
+
+def test_oracle_stop_inside_accepted_run(tiny_llama_dir, drafters, baseline, monkeypatch):
+    """max_tokens lands in the middle of an accepted run: output is cut exactly there."""
+    from tensorrt_llm.llmapi.tokenizer import TokenizerWrapper
+    tk = TokenizerWrapper(tiny_llama_dir)
+    truth = {tuple(tk.encode(p)): t for p, t in zip(PROMPTS, baseline)}
+    _oracle_patch(monkeypatch, truth, seed=5)
+    for n in (1, 3, 7):
+        toks, _ = _run(tiny_llama_dir, PROMPTS[:2], SamplingParams(max_tokens=n, ignore_eos=True),
+                       speculative_config=_spec(drafters["mla"]))
+        assert toks == [b[:n] for b in baseline[:2]]
+
+
+def test_sampling_with_drafter_runs_and_is_seeded(tiny_llama_dir, drafters):
+    params = SamplingParams(max_tokens=16, temperature=0.8, top_k=20, seed=123, ignore_eos=True)
+    a, _ = _run(tiny_llama_dir, PROMPTS[:3], params, speculative_config=_spec(drafters["gqa"]))
+    b, _ = _run(tiny_llama_dir, PROMPTS[:3], params, speculative_config=_spec(drafters["gqa"]))
+    assert a == b and all(len(t) == 16 for t in a)
+
+
+def test_accept_stats_json_written(tiny_llama_dir, drafters, tmp_path):
+    spec = _spec(drafters["mla"], accept_stats_dir=str(tmp_path / "stats"))
+    toks, stats = _run(tiny_llama_dir, PROMPTS[:2], SamplingParams(max_tokens=8, ignore_eos=True),
+                       speculative_config=spec)
+    data = json.loads((tmp_path / "stats" / "dspark_accept_stats_rank0.json").read_text())
+    assert data["request_steps"] == sum(data["accept_histogram"]) > 0
+    assert data["accept_histogram"] == stats["speculative"]["accept_histogram"]
+
+
+def test_yaml_one_line_switch(tiny_llama_dir, drafters, tmp_path):
+    reports = {}
+    for kind in ("gqa", "mla"):
+        y = tmp_path / f"{kind}.yaml"
+        y.write_text(f"model: {tiny_llama_dir}\ndevice: cpu\nkv_cache_config:\n  max_tokens: 1024\n"
+                     f"speculative_config:\n  decoding_type: DSpark\n  speculative_model: {drafters[kind]}\n")
+        with LLM(str(y)) as llm:
+            reports[kind] = llm.capacity_report
+            out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=4, ignore_eos=True))
+            assert len(out.outputs[0].token_ids) == 4
+    assert reports["gqa"]["pools"]["draft"]["kind"] == "gqa"
+    assert reports["mla"]["pools"]["draft"]["kind"] == "mla"
+    assert reports["mla"]["pools"]["draft"]["layer_shape"][1:3] == [1, 1]
+
+
+def test_max_draft_len_above_block_rejected(tiny_llama_dir, drafters):
+    with pytest.raises(ValueError, match="max_draft_len"):
+        LLM(str(tiny_llama_dir), device="cpu", kv_cache_config={"max_tokens": 512},
+            speculative_config=_spec(drafters["gqa"], max_draft_len=99))
+
+
+def test_bad_target_layer_override_rejected(tiny_llama_dir, drafters):
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        LLM(str(tiny_llama_dir), device="cpu", kv_cache_config={"max_tokens": 512},
+            speculative_config=_spec(drafters["gqa"], target_layer_ids=[0, 1, 40]))
+
+
+def test_unknown_drafter_backend_rejected(tiny_llama_dir, drafters):
+    with pytest.raises(ValueError):
+        LLM(str(tiny_llama_dir), device="cpu", kv_cache_config={"max_tokens": 512},
+            speculative_config=_spec(drafters["mla"], attention_backend="FLASHINFER"))
