@@ -1,0 +1,373 @@
+"""DSpark drafters: DFlash block-draft backbone (GQA or MLA attention) + DSpark heads.
+
+Per committed token the target's captured hidden states become one *context feature*
+(fc + hidden_norm); every layer's K/V (GQA) or latent (MLA) of that feature is written
+once into the draft pool (`write_context`). A draft block is then::
+
+    tokens:    [anchor, MASK, MASK, ..., MASK]            (block_size B, target embedding)
+    positions: ctx_len, ctx_len+1, ..., ctx_len+B-1
+    keys:      [ context entries 0..ctx_len-1 (pool) | block entries (written transiently) ]
+
+non-causal inside the block. Slot j predicts position ctx_len+1+j (shift_label) or
+ctx_len+j (slots 1..B-1 only). The target's embedding and lm_head are shared and frozen:
+they are bound by reference (`bind_target`), never parameters of the drafter.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from ..attention_backend.interface import AttentionBackend, AttentionMetadata, write_slots
+from ..modules.attention import Attention
+from ..modules.gated_mlp import GatedMLP
+from ..modules.mla import MLAAttention
+from ..modules.rms_norm import RMSNorm
+from ..modules.rotary_embedding import RotaryEmbedding
+from ..pyexecutor.kv_cache_spec import KVCacheSpec
+from ..speculative.dspark_config import (DSPARK_CONFIG_KEYS, GQA_ARCH, MLA_ARCH, DSparkModelConfig)
+from .checkpoint import load_state_dict_strict, read_config, read_safetensors
+from .modeling_llama import LlamaConfig
+
+OPTIONAL_HEADS = ("markov_head", "confidence_head")
+
+
+def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] -> argmax ids [B]."""
+    return logits.argmax(-1)
+
+
+class MarkovHead(nn.Module):
+    """Low-rank bigram bias: bias(prev) = w2(w1[prev]), w1: Embedding(V, r), w2: Linear(r, V)."""
+
+    def __init__(self, vocab_size: int, rank: int):
+        super().__init__()
+        self.w1 = nn.Embedding(vocab_size, rank)
+        self.w2 = nn.Linear(rank, vocab_size, bias=False)
+
+    def forward(self, prev_ids: torch.Tensor) -> torch.Tensor:
+        """prev_ids [B] -> bias [B, V] float32."""
+        return self.w2(self.w1(prev_ids)).float()
+
+
+class DSparkDecoderLayer(nn.Module):
+    """Pre-norm: h += attn(input_layernorm(h)); h += mlp(post_attention_layernorm(h))."""
+
+    def __init__(self, cfg: DSparkModelConfig, self_attn: nn.Module):
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                md: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        """h: [T, hidden] -> [T, hidden]."""
+        h = h + self.self_attn(self.input_layernorm(h), positions, kv_cache, md, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DSparkForCausalLMBase(nn.Module, ABC):
+    """Shared drafter body. Subclasses build the attention and say what a context entry is."""
+
+    architecture: str = ""
+
+    def __init__(self, cfg: DSparkModelConfig, max_positions: Optional[int] = None):
+        super().__init__()
+        if cfg.architecture != self.architecture:
+            raise ValueError(f"{type(self).__name__} cannot build a {cfg.architecture} config")
+        self.config = cfg
+        rot_dim = cfg.qk_rope_head_dim if cfg.is_mla else cfg.head_dim
+        self.rotary = RotaryEmbedding(rot_dim, cfg.rope_theta, max_positions or cfg.max_position_embeddings,
+                                      cfg.rope_scaling, interleaved=cfg.rope_interleave)
+        self.fc = nn.Linear(cfg.fc_in_features, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DSparkDecoderLayer(cfg, self._make_attention(cfg))
+                                    for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank) if cfg.markov_rank > 0 else None
+        self.confidence_head = nn.Linear(cfg.hidden_size, 1) if cfg.confidence_head else None
+        # Plain tuple attribute: not a submodule, so not in state_dict(), parameters() or .to().
+        self._target_refs: Optional[tuple[nn.Embedding, nn.Linear]] = None
+
+    # ---- subclass hooks -----------------------------------------------------------------
+    @abstractmethod
+    def _make_attention(self, cfg: DSparkModelConfig) -> nn.Module:
+        """One layer's attention module (forward(x, positions, kv_cache, md, backend))."""
+
+    @abstractmethod
+    def _context_planes(self, attn: nn.Module, features: torch.Tensor,
+                        positions: torch.Tensor) -> list[torch.Tensor]:
+        """features [N, H] -> one [N, heads, head_dim] tensor per pool plane."""
+
+    @abstractmethod
+    def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
+        """Layout of the draft KV pool ("draft") at allocation dtype `dtype`."""
+
+    # ---- target binding -----------------------------------------------------------------
+    def bind_target(self, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
+        """Share the target's (frozen) embedding and lm_head by reference."""
+        want = (self.config.vocab_size, self.config.hidden_size)
+        for name, mod in (("embed_tokens", embed_tokens), ("lm_head", lm_head)):
+            if tuple(mod.weight.shape) != want:
+                raise ValueError(f"target {name} weight is {tuple(mod.weight.shape)}, drafter needs {want}")
+        self._target_refs = (embed_tokens, lm_head)
+
+    def _target(self) -> tuple[nn.Embedding, nn.Linear]:
+        if self._target_refs is None:
+            raise ValueError("drafter has no target embedding/lm_head; call bind_target() first")
+        return self._target_refs
+
+    # ---- executor API -------------------------------------------------------------------
+    def context_features(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """target_hidden [N, n * H_target] (captured layers concatenated) -> features [N, H]."""
+        if target_hidden.shape[-1] != self.config.fc_in_features:
+            raise ValueError(f"target hidden width {target_hidden.shape[-1]} != "
+                             f"{len(self.config.target_layer_ids)} x {self.config.num_target_hidden}")
+        return self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
+
+    def write_context(self, features: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                      kv_caches: Sequence[torch.Tensor], backend: AttentionBackend) -> None:
+        """Write every layer's context K/V (or latent) for committed tokens into the draft pool.
+
+        features [N, H]; positions [N] absolute; slot_mapping [N] int64 (-1 skipped);
+        kv_caches: one [num_pages, planes, heads, P, D] tensor per layer. The pool layout
+        is the interface's, shared by every backend, so `backend` is not consulted.
+        """
+        self._check_caches(kv_caches)
+        for layer, cache in zip(self.layers, kv_caches):
+            for plane, values in enumerate(self._context_planes(layer.self_attn, features, positions)):
+                write_slots(cache[:, plane], values, slot_mapping)
+
+    def forward_block(self, block_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
+                      kv_caches: Sequence[torch.Tensor], backend: AttentionBackend) -> torch.Tensor:
+        """Run draft blocks: block_ids, positions [M] -> final-normed hidden [M, H].
+
+        md: non-causal block metadata (num_cached = context lengths, seq_lens = block sizes,
+        slot_mapping = where block entries are written transiently). Per-layer sliding
+        windows from the config override md.sliding_window.
+        """
+        self._check_caches(kv_caches)
+        self._check_backend(backend, md)
+        embed, _ = self._target()
+        h = embed(block_ids).to(self.norm.weight.dtype)
+        derived: dict[Optional[int], AttentionMetadata] = {md.sliding_window: md}
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+            window = self.config.layer_sliding_window(i)
+            if window not in derived:
+                # Fresh extras: backend plan state depends on the mask, so plan this variant too.
+                derived[window] = dataclasses.replace(md, sliding_window=window, extras={})
+                backend.prepare(derived[window])
+            h = layer(h, positions, cache, derived[window], backend)
+        return self.norm(h)
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [M, H] -> logits [M, V] float32 through the target's lm_head."""
+        _, lm_head = self._target()
+        return lm_head(hidden.to(lm_head.weight.dtype)).float()
+
+    def propose(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, num_drafts: int,
+                pick: Callable[[torch.Tensor], torch.Tensor] = greedy_pick
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Choose drafts left to right, adding the Markov bias of the previous choice.
+
+        hidden [R * S, H] (R requests, S = block_size slots each, from forward_block);
+        anchor_ids [R] (the block's first token); pick: logits [R, V] -> ids [R] (argmax,
+        or a sampler at T > 0). Returns draft_ids [R, num_drafts] int64 and the (biased)
+        draft_logits [R, num_drafts, V] float32. Slots used: 0..n-1 with shift_label, else 1..n.
+        """
+        cfg = self.config
+        r, s = anchor_ids.shape[0], cfg.block_size
+        if hidden.shape[0] != r * s:
+            raise ValueError(f"hidden has {hidden.shape[0]} rows, expected {r} x block_size {s}")
+        if not 1 <= num_drafts <= cfg.num_drafts:
+            raise ValueError(f"num_drafts {num_drafts} outside [1, {cfg.num_drafts}]")
+        first = 0 if cfg.shift_label else 1
+        h = hidden.reshape(r, s, -1)[:, first:first + num_drafts]
+        logits = self.draft_logits(h.reshape(r * num_drafts, -1)).view(r, num_drafts, -1)
+        prev, ids, out = anchor_ids, [], []
+        for j in range(num_drafts):
+            lj = logits[:, j]
+            if self.markov_head is not None:
+                lj = lj + self.markov_head(prev)
+            prev = pick(lj).long()
+            ids.append(prev)
+            out.append(lj)
+        return torch.stack(ids, dim=1), torch.stack(out, dim=1)
+
+    # ---- checks -------------------------------------------------------------------------
+    def _check_caches(self, kv_caches: Sequence[torch.Tensor]) -> None:
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"got {len(kv_caches)} draft KV tensors for {len(self.layers)} layers")
+
+    def _check_backend(self, backend: AttentionBackend, md: AttentionMetadata) -> None:
+        caps, cfg = backend.capabilities, self.config
+        if not md.causal and not caps.non_causal_block:
+            raise ValueError(f"attention backend {backend.name} cannot run non-causal draft blocks")
+        if cfg.is_mla and not caps.mla:
+            raise ValueError(f"attention backend {backend.name} does not support MLA")
+        windows = {cfg.layer_sliding_window(i) for i in range(cfg.num_hidden_layers)}
+        if windows != {None} and not caps.sliding_window:
+            raise ValueError(f"attention backend {backend.name} does not support sliding windows")
+
+    # ---- checkpoints --------------------------------------------------------------------
+    def module_groups(self) -> dict[str, list[str]]:
+        """Top-level module (and each layer) -> its state-dict keys."""
+        groups: dict[str, list[str]] = {}
+        for k in self.state_dict():
+            parts = k.split(".")
+            prefix = ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
+            groups.setdefault(prefix, []).append(k)
+        return groups
+
+    def load_checkpoint_state(self, state: dict[str, torch.Tensor], source: str) -> None:
+        """Strict load: all required tensors, no extra ones, shapes equal, heads all-or-nothing."""
+        groups = self.module_groups()
+        optional = [k for name in OPTIONAL_HEADS for k in groups.get(name, [])]
+        load_state_dict_strict(self, state, source, optional=optional, module_groups=groups)
+        for name in OPTIONAL_HEADS:
+            keys = groups.get(name, [])
+            if keys and not any(k in state for k in keys):
+                raise ValueError(f"{source}: config declares {name} but the checkpoint has none of {keys}")
+
+    def save_pretrained(self, folder: str | Path) -> None:
+        """Write config.json and model.safetensors (the drafter's own tensors only)."""
+        d = Path(folder)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
+        state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
+        save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
+
+    @classmethod
+    def random_init(cls, kind: str, target_config: LlamaConfig, seed: int = 0, absorb: bool = True,
+                    **overrides: Any) -> "DSparkForCausalLMBase":
+        """Small random drafter matching `target_config` (tests). Weights ~ N(0, 0.02).
+
+        kind: "gqa" | "mla"; overrides: config.json keys, dspark_config keys included flat.
+        """
+        if kind not in ("gqa", "mla"):
+            raise ValueError(f"kind must be 'gqa' or 'mla', got {kind!r}")
+        t = target_config
+        n = t.num_hidden_layers
+        cfg: dict[str, Any] = {
+            "architectures": [GQA_ARCH if kind == "gqa" else MLA_ARCH], "hidden_size": t.hidden_size,
+            "intermediate_size": 2 * t.hidden_size, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "vocab_size": t.vocab_size, "rms_norm_eps": t.rms_norm_eps, "rope_theta": t.rope_theta,
+            "max_position_embeddings": t.max_position_embeddings,
+        }
+        if kind == "gqa":
+            cfg.update(num_key_value_heads=2, head_dim=16)
+        else:
+            cfg.update(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+        ds: dict[str, Any] = {
+            "block_size": 4, "mask_token_id": t.vocab_size - 1, "num_target_hidden": t.hidden_size,
+            "target_layer_ids": sorted({min(1, n - 1), n // 2, max(n - 2, 0)}),
+        }
+        for k, v in overrides.items():
+            (ds if k in DSPARK_CONFIG_KEYS else cfg)[k] = v
+        cfg["dspark_config"] = ds
+        config = DSparkModelConfig.from_dict(cfg, "random_init")
+        model = (MLADSparkForCausalLM(config, absorb=absorb) if kind == "mla"
+                 else GQADSparkForCausalLM(config))
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    continue                        # RMSNorm weights stay at 1
+                if name.endswith(".bias"):
+                    p.zero_()
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+        return model.eval()
+
+
+class GQADSparkForCausalLM(DSparkForCausalLMBase):
+    """DFlash-style drafter with GQA attention (q/k norm, RoPE)."""
+
+    architecture = GQA_ARCH
+
+    def _make_attention(self, cfg: DSparkModelConfig) -> nn.Module:
+        return Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                         self.rotary, bias=cfg.attention_bias, qk_norm=True, rms_norm_eps=cfg.rms_norm_eps)
+
+    def _context_planes(self, attn: nn.Module, features: torch.Tensor,
+                        positions: torch.Tensor) -> list[torch.Tensor]:
+        k, v = attn.project_kv(features, positions)         # [N, Hkv, D] each
+        return [k, v]
+
+    def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
+        c = self.config
+        return KVCacheSpec(name="draft", kind="gqa", num_layers=c.num_hidden_layers, planes=2,
+                           heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=dtype)
+
+
+class MLADSparkForCausalLM(DSparkForCausalLMBase):
+    """DSpark drafter with DeepSeek-V2 MLA attention; `absorb=False` selects the reference path."""
+
+    architecture = MLA_ARCH
+
+    def __init__(self, cfg: DSparkModelConfig, max_positions: Optional[int] = None, absorb: bool = True):
+        self._absorb = absorb
+        super().__init__(cfg, max_positions)
+
+    def _make_attention(self, cfg: DSparkModelConfig) -> nn.Module:
+        return MLAAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
+                            cfg.qk_rope_head_dim, cfg.v_head_dim, self.rotary, q_lora_rank=cfg.q_lora_rank,
+                            rms_norm_eps=cfg.rms_norm_eps, rope_scaling=cfg.rope_scaling,
+                            absorb=self._absorb)
+
+    def _context_planes(self, attn: nn.Module, features: torch.Tensor,
+                        positions: torch.Tensor) -> list[torch.Tensor]:
+        return [attn.project_latent(features, positions)[:, None, :]]    # [N, 1, R + rope]
+
+    def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
+        c = self.config
+        return KVCacheSpec(name="draft", kind="mla", num_layers=c.num_hidden_layers, planes=1, heads=1,
+                           head_dim=c.kv_lora_rank + c.qk_rope_head_dim, dtype=dtype)
+
+
+DRAFTER_REGISTRY: dict[str, type[DSparkForCausalLMBase]] = {
+    GQA_ARCH: GQADSparkForCausalLM, MLA_ARCH: MLADSparkForCausalLM}
+
+
+def check_against_target(cfg: DSparkModelConfig, target: LlamaConfig, source: str) -> None:
+    """The drafter shares the target's embedding/lm_head and reads its hidden states."""
+    pairs = (("hidden_size", cfg.hidden_size, "hidden_size", target.hidden_size),
+             ("vocab_size", cfg.vocab_size, "vocab_size", target.vocab_size),
+             ("dspark_config.num_target_hidden", cfg.num_target_hidden, "hidden_size", target.hidden_size))
+    for name, mine, tname, theirs in pairs:
+        if mine != theirs:
+            raise ValueError(f"{source}: drafter {name} {mine} does not match the target's {tname} {theirs}")
+    bad = [i for i in cfg.target_layer_ids if i >= target.num_hidden_layers]
+    if bad:
+        raise ValueError(f"{source}: dspark_config.target_layer_ids {list(cfg.target_layer_ids)} name layers "
+                         f"{bad} but the target has {target.num_hidden_layers} layers")
+
+
+def load_drafter(folder: str | Path, target_config: LlamaConfig, dtype: torch.dtype, device: torch.device,
+                 overrides: Optional[Mapping[str, Any]] = None) -> DSparkForCausalLMBase:
+    """Build the drafter named by `folder/config.json` and load its weights strictly.
+
+    overrides: dspark_config keys to replace (e.g. mask_token_id, target_layer_ids from
+    DSparkDecodingConfig); None values are skipped. The caller binds the target afterwards.
+    """
+    source = str(Path(folder) / "config.json")
+    cfg_dict = read_config(folder)
+    ov = {k: v for k, v in (overrides or {}).items() if v is not None}
+    unknown = sorted(set(ov) - set(DSPARK_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"unknown drafter overrides {unknown}; known: {list(DSPARK_CONFIG_KEYS)}")
+    if ov and isinstance(cfg_dict.get("dspark_config"), dict):
+        cfg_dict = {**cfg_dict, "dspark_config": {**cfg_dict["dspark_config"], **ov}}
+    cfg = DSparkModelConfig.from_dict(cfg_dict, source)
+    check_against_target(cfg, target_config, source)
+    max_pos = max(cfg.max_position_embeddings, target_config.max_position_embeddings)
+    model = DRAFTER_REGISTRY[cfg.architecture](cfg, max_pos)
+    model.load_checkpoint_state(read_safetensors(folder), str(folder))
+    return model.to(device=device, dtype=dtype).eval()

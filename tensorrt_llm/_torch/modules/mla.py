@@ -1,0 +1,156 @@
+"""Multi-head latent attention (DeepSeek-V2 style) over a paged latent cache.
+
+Each token stores ONE latent row in the pool (shared by all heads)::
+
+    latent = [ kv_a_layernorm(c_kv) (kv_lora_rank) | rope(k_pe) (qk_rope_head_dim) ]
+
+and `kv_b_proj` (kv_lora_rank -> H * (qk_nope + v_head_dim)) decompresses it per head into
+W_UK (keys, no-RoPE part) and W_UV (values). Two equivalent paths:
+
+* absorbed (fast): q_nope @ W_UK -> q in latent space, MQA over the latents through
+  `backend.forward_mla` (value = latent[:, :kv_lora_rank]), then W_UV and o_proj.
+* un-absorbed (reference): decompress K/V per head from the gathered latents and run
+  standard masked attention per request. Used by tests against the absorbed path.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ..attention_backend.interface import (BAD_PAGE_INDEX, AttentionBackend, AttentionMetadata,
+                                           write_slots)
+from .rms_norm import RMSNorm
+from .rotary_embedding import RotaryEmbedding, yarn_get_mscale
+
+
+def mla_softmax_scale(qk_nope_head_dim: int, qk_rope_head_dim: int,
+                      rope_scaling: Optional[dict[str, Any]]) -> float:
+    """mscale^2 / sqrt(qk_nope + qk_rope), mscale = yarn_get_mscale(factor, mscale_all_dim).
+
+    The scale follows the *un-absorbed* head dim (nope + rope), not the latent width the
+    absorbed kernel sees. mscale is 1 unless a YaRN rope_scaling sets `mscale_all_dim`.
+    """
+    scale = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
+    if rope_scaling:
+        kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+        mscale_all_dim = rope_scaling.get("mscale_all_dim") or 0
+        if kind == "yarn" and mscale_all_dim:
+            m = yarn_get_mscale(float(rope_scaling["factor"]), float(mscale_all_dim))
+            scale *= m * m
+    return scale
+
+
+class MLAAttention(nn.Module):
+    """DeepSeek-V2 MLA: weights use HF names (q_proj | q_a_proj/q_a_layernorm/q_b_proj,
+    kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj)."""
+
+    def __init__(self, hidden_size: int, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int,
+                 qk_rope_head_dim: int, v_head_dim: int, rotary: RotaryEmbedding,
+                 q_lora_rank: Optional[int] = None, rms_norm_eps: float = 1e-6,
+                 rope_scaling: Optional[dict[str, Any]] = None, absorb: bool = True):
+        super().__init__()
+        if rotary.rot_dim != qk_rope_head_dim:
+            raise ValueError(f"rotary dim {rotary.rot_dim} != qk_rope_head_dim {qk_rope_head_dim}")
+        self.num_heads = num_heads
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_nope_head_dim, self.qk_rope_head_dim = qk_nope_head_dim, qk_rope_head_dim
+        self.v_head_dim = v_head_dim
+        self.q_head_dim = qk_nope_head_dim + qk_rope_head_dim
+        self.latent_dim = kv_lora_rank + qk_rope_head_dim
+        self.q_lora_rank = q_lora_rank
+        if q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden_size, num_heads * self.q_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, rms_norm_eps)
+            self.q_b_proj = nn.Linear(q_lora_rank, num_heads * self.q_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden_size, self.latent_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, rms_norm_eps)
+        self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
+        self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=False)
+        self.rotary = rotary
+        self.scale = mla_softmax_scale(qk_nope_head_dim, qk_rope_head_dim, rope_scaling)
+        self.absorb = absorb
+
+    # ---- projections -------------------------------------------------------------------
+    def project_latent(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden], positions: [T] -> latent [T, kv_lora_rank + qk_rope_head_dim]."""
+        ckv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        k_pe = self.rotary(k_pe[:, None, :], positions)[:, 0]      # one rope key shared by heads
+        return torch.cat((self.kv_a_layernorm(ckv), k_pe), dim=-1)
+
+    def project_q(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> (q_nope [T, H, nope], roped q_pe [T, H, rope])."""
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(x.shape[0], self.num_heads, self.q_head_dim)
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        return q_nope, self.rotary(q_pe, positions)
+
+    def w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj split per head: W_UK [H, nope, R], W_UV [H, v_head_dim, R]."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim,
+                                       self.kv_lora_rank)
+        return w[:, :self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]
+
+    # ---- attention ---------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                md: AttentionMetadata, backend: AttentionBackend,
+                latent: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden].
+
+        kv_cache: [num_pages, 1, 1, P, kv_lora_rank + rope]. The new tokens' latents
+        (`latent` [T, Dl], or projected from x) are written at md.slot_mapping first.
+        """
+        t = x.shape[0]
+        q_nope, q_pe = self.project_q(x, positions)
+        if latent is None:
+            latent = self.project_latent(x, positions)
+        w_uk, w_uv = self.w_uk_uv()
+        if self.absorb:
+            q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)                 # [T, H, R]
+            q = torch.cat((q_lat, q_pe.to(q_lat.dtype)), dim=-1)               # [T, H, R + rope]
+            o_lat = backend.forward_mla(q, latent, kv_cache, md, self.scale, self.kv_lora_rank)
+            o = torch.einsum("thr,hvr->thv", o_lat.to(w_uv.dtype), w_uv)      # [T, H, v]
+        else:
+            write_slots(kv_cache[:, 0], latent[:, None, :], md.slot_mapping)
+            o = self._attend_unabsorbed(q_nope, q_pe, kv_cache, md)
+        return self.o_proj(o.reshape(t, self.num_heads * self.v_head_dim))
+
+    def _attend_unabsorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                           md: AttentionMetadata) -> torch.Tensor:
+        """Reference: per request, decompress every cached latent to per-head K/V.
+
+        q_nope [T, H, nope], q_pe [T, H, rope] -> [T, H, v_head_dim] (float32 math).
+        """
+        p = kv_cache.shape[3]
+        r, nope = self.kv_lora_rank, self.qk_nope_head_dim
+        outs, start = [], 0
+        for b, (cached, s) in enumerate(zip(md.num_cached, md.seq_lens)):
+            kv_len = cached + s
+            pages = md.block_tables[b, :math.ceil(kv_len / p)].long()
+            if bool((pages == BAD_PAGE_INDEX).any()):
+                raise ValueError(f"request {b}: block table has no page for some of its {kv_len} tokens")
+            lat = kv_cache[pages, 0, 0].reshape(-1, self.latent_dim)[:kv_len].float()   # [L, Dl]
+            kv = torch.nn.functional.linear(lat[:, :r], self.kv_b_proj.weight.float())
+            kv = kv.view(kv_len, self.num_heads, nope + self.v_head_dim)
+            k = torch.cat((kv[..., :nope], lat[:, None, r:].expand(-1, self.num_heads, -1)), dim=-1)
+            v = kv[..., nope:]                                                  # [L, H, v]
+            q = torch.cat((q_nope[start:start + s], q_pe[start:start + s]), dim=-1).float()
+            scores = torch.einsum("qhd,khd->hqk", q, k) * self.scale            # [H, s, L]
+            q_pos = cached + torch.arange(s, device=q.device)[:, None]
+            k_pos = torch.arange(kv_len, device=q.device)[None, :]
+            valid = torch.ones(s, kv_len, dtype=torch.bool, device=q.device)
+            if md.causal:
+                valid &= k_pos <= q_pos
+            if md.sliding_window is not None:
+                valid &= k_pos > q_pos - md.sliding_window
+            probs = scores.masked_fill(~valid, float("-inf")).softmax(-1)
+            outs.append(torch.einsum("hqk,khv->qhv", probs, v))
+            start += s
+        return torch.cat(outs, dim=0).to(q_nope.dtype)
