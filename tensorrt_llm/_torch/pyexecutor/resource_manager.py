@@ -162,12 +162,8 @@ class KVCacheManager:
     def block_tables(self, req_ids: Sequence[int], device: Optional[torch.device] = None) -> torch.Tensor:
         """[B, max_blocks] int32; unallocated entries hold BAD_PAGE_INDEX."""
         width = max([len(self.seqs[r].pages) for r in req_ids] + [1])
-        bt = torch.full((len(req_ids), width), BAD_PAGE_INDEX, dtype=torch.int32)
-        for i, r in enumerate(req_ids):
-            pages = self.seqs[r].pages
-            if pages:
-                bt[i, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        return bt.to(device or self.device)
+        rows = [self.seqs[r].pages + [BAD_PAGE_INDEX] * (width - len(self.seqs[r].pages)) for r in req_ids]
+        return torch.tensor(rows, dtype=torch.int32).reshape(len(rows), width).to(device or self.device)
 
     def commit(self, req_id: int, token_ids: Sequence[int], num_committed: int) -> None:
         """Publish full blocks whose tokens are committed (verified and in the target KV).
