@@ -59,6 +59,10 @@ class GenerationResult:
             if req.finish_time is not None:
                 m["e2e_s"] = req.finish_time - req.arrival_time
             m["num_cached_prompt_tokens"] = req.num_cached_prompt
+            if req.num_verify_steps:
+                m["num_verify_steps"] = req.num_verify_steps
+                m["num_accepted_drafts"] = req.num_accepted_drafts
+                m["acceptance_length"] = 1.0 + req.num_accepted_drafts / req.num_verify_steps
         if self._stream is not None and (new_tokens or req.is_finished):
             self._stream.put(self._snapshot())
         if req.is_finished:

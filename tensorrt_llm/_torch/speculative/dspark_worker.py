@@ -89,6 +89,8 @@ class DSparkWorker:
                     if i == len(drafts) or tok != drafts[i]:
                         break
         self.stats_.record(len(out) - 1, len(drafts))
+        req.num_verify_steps += 1
+        req.num_accepted_drafts += len(out) - 1
         req.draft_tokens, req.draft_probs = [], None
         return out
 
