@@ -10,7 +10,10 @@ from typing import Optional, Sequence
 import torch
 
 from ..attention_backend.interface import AttentionBackend, AttentionMetadata
+from .cuda_graph_runner import CUDAGraphRunner
 from .resource_manager import KVCacheManager
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @dataclass
@@ -46,19 +49,40 @@ def build_metadata(kv: KVCacheManager, request_ids: Sequence[int], starts: Seque
 
 
 class ModelEngine:
-    """Runs the target model over the KV manager's target pool."""
+    """Runs the target model over the KV manager's target pool.
+
+    With `use_cuda_graph`, generation-only steps whose shape fits a batch bucket replay a
+    captured graph (`CUDAGraphRunner`); every other step runs eagerly.
+    """
 
     def __init__(self, model: torch.nn.Module, kv: KVCacheManager, backend: AttentionBackend,
-                 device: torch.device, capture_layer_ids: Sequence[int] = ()):
+                 device: torch.device, capture_layer_ids: Sequence[int] = (),
+                 use_cuda_graph: bool = False, max_batch_size: int = 1, tokens_per_gen: int = 1):
         self.model = model
         self.kv = kv
         self.backend = backend
         self.device = device
         self.capture_layer_ids = list(capture_layer_ids)
         self.kv_caches = kv.layer_caches("target")
+        kv_dtype = self.kv_caches[0].dtype if self.kv_caches else None
+        if kv_dtype in _FP8_DTYPES and not backend.capabilities.fp8_kv:
+            raise ValueError(f"attention backend {backend.name} does not support fp8 KV "
+                             f"(pool dtype {kv_dtype}); use kv_cache_config.dtype='auto'")
+        self.graph_runner: Optional[CUDAGraphRunner] = None
+        if use_cuda_graph:
+            self.graph_runner = CUDAGraphRunner(model, kv, backend, self.kv_caches, device, max_batch_size,
+                                                token_counts=sorted({1, tokens_per_gen}),
+                                                capture_layer_ids=self.capture_layer_ids)
 
     @torch.inference_mode()
     def forward(self, segments: Sequence[ForwardSegment]) -> ForwardOutput:
+        if self.graph_runner is not None:
+            out = self.graph_runner.run(segments)
+            if out is not None:
+                logits, cap = out
+                q = len(segments[0].token_ids)
+                offsets = [i * q for i in range(len(segments))]
+                return ForwardOutput(logits, offsets, cap, offsets)
         ids, pos, rows = [], [], []
         logits_offsets, token_offsets = [], []
         t = 0

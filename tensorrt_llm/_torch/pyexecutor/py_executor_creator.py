@@ -91,9 +91,10 @@ def create_py_executor(args: TorchLlmArgs, tokenizer: TokenizerWrapper) -> Execu
                         enable_block_reuse=kvc.enable_block_reuse,
                         cache_salt=hashlib.sha256(salt.encode()).hexdigest()[:16])
     capture = spec_worker.capture_layer_ids if spec_worker else ()
-    engine = ModelEngine(model, kv, backend, device, capture)
     lookahead = spec_worker.lookahead_tokens if spec_worker else 0
     tokens_per_gen = 1 + (spec_worker.max_draft_len if spec_worker else 0)
+    engine = ModelEngine(model, kv, backend, device, capture, use_cuda_graph=args.use_cuda_graph,
+                         max_batch_size=args.max_batch_size, tokens_per_gen=tokens_per_gen)
     sched = Scheduler(kv, args.max_batch_size, max(args.max_num_tokens, tokens_per_gen),
                       args.enable_chunked_prefill, tokens_per_gen, spec_slack=lookahead + tokens_per_gen)
     sampler = Sampler(args.seed, device)

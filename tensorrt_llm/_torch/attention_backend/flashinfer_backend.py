@@ -1,0 +1,280 @@
+"""FLASHINFER attention: flashinfer's paged kernels for GQA and absorbed MLA (CUDA only).
+
+flashinfer is optional: it is imported inside methods, so this module imports on a
+CPU-only install; the resolver's probe decides whether the backend can run.
+
+Cache layouts (the interface's, no copies)::
+
+    GQA layer cache [num_pages, 2, Hkv, P, D]  -> flashinfer "HND" with K/V on dim 1
+    MLA layer cache [num_pages, 1, 1, P, R+r]  -> cache[:, 0, 0] = packed [ckv (R) | kpe (r)]
+
+Plan lifecycle (nothing lives in module globals):
+
+* ``prepare(md)`` builds the step's page metadata once (indptrs, page ids, last-page
+  lengths) into ``md.extras["flashinfer_pages"]``.
+* The first ``forward``/``forward_mla`` of a step for a given head configuration plans
+  one wrapper (``wrapper.plan``); every later layer of the step reuses that plan. One
+  wrapper exists per distinct (kind, graph shape, causal, heads, head dims, dtype,
+  scale) and belongs to this backend instance, so the target and the drafter (separate
+  instances) never share plan state.
+* CUDA-graph steps: the graph runner puts ``md.extras[CUDA_GRAPH_SHAPE_KEY] =
+  (batch_size, tokens_per_request, max_pages_per_seq)``. Those steps use wrappers with
+  fixed-address index buffers (``use_cuda_graph=True``); ``prepare`` re-plans every such
+  wrapper already known for that shape (outside the graph, before replay).
+* New K/V (latents) are written first. When every slot of the step is owned (checked once
+  in ``prepare``; guaranteed by the graph runner) the scatter needs no host sync; otherwise
+  ``write_slots`` skips the -1 slots.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from .interface import (AttentionBackend, AttentionMetadata, BackendCapabilities,
+                        write_slots)
+
+CUDA_GRAPH_SHAPE_KEY = "cuda_graph_shape"
+"""md.extras key: (batch_size, tokens_per_request, max_pages_per_seq) of a captured graph."""
+
+PAGES_KEY = "flashinfer_pages"
+WORKSPACE_BYTES = 128 * 1024 * 1024
+
+
+def import_flashinfer():
+    """The flashinfer module, or ValueError naming how to install it."""
+    try:
+        return importlib.import_module("flashinfer")
+    except Exception as e:  # ImportError or a broken install
+        raise ValueError(f"attention backend FLASHINFER needs flashinfer ({type(e).__name__}: {e}); "
+                         "install the 'gpu' extra: pip install 'tensorrt_llm[gpu]'") from e
+
+
+@dataclass
+class StepPages:
+    """Page metadata of one step in flashinfer's CSR form (built once per step).
+
+    For request b: its pages are kv_indices[kv_indptr[b]:kv_indptr[b+1]], its queries are
+    rows qo_indptr[b]:qo_indptr[b+1], and its last page holds last_page_len[b] tokens.
+    """
+
+    qo_indptr: torch.Tensor       # [B+1] int32, CPU
+    kv_indptr: torch.Tensor       # [B+1] int32, CPU
+    kv_indices: torch.Tensor      # [kv_indptr[-1]] int32, on the cache device
+    last_page_len: torch.Tensor   # [B] int32, CPU, in 1..P
+    kv_lens: torch.Tensor         # [B] int32, CPU
+    page_size: int
+    graph_shape: Optional[tuple[int, int, int]] = None
+    slots_valid: bool = True      # every slot_mapping entry >= 0 (new K/V scattered without syncs)
+
+
+def build_step_pages(md: AttentionMetadata) -> StepPages:
+    """Host-side CSR page metadata for `md` (no device sync; one gather on the device)."""
+    p = md.tokens_per_block
+    b = md.num_seqs
+    if b == 0:
+        raise ValueError("attention metadata has no requests")
+    kv_lens = torch.tensor(md.kv_lens, dtype=torch.int32)
+    seq = torch.tensor(md.seq_lens, dtype=torch.int32)
+    if bool((seq < 1).any()):
+        raise ValueError(f"every request needs >= 1 new token, got seq_lens {md.seq_lens}")
+    n_pages = (kv_lens + p - 1) // p
+    width = md.block_tables.shape[1]
+    if int(n_pages.max()) > width:
+        raise ValueError(f"block table width {width} < {int(n_pages.max())} pages needed for "
+                         f"kv_lens {md.kv_lens} at {p} tokens per page")
+    qo_indptr = torch.zeros(b + 1, dtype=torch.int32)
+    qo_indptr[1:] = torch.cumsum(seq, 0)
+    kv_indptr = torch.zeros(b + 1, dtype=torch.int32)
+    kv_indptr[1:] = torch.cumsum(n_pages, 0)
+    counts = n_pages.long()
+    rows = torch.repeat_interleave(torch.arange(b), counts)
+    cols = torch.arange(int(kv_indptr[-1])) - torch.repeat_interleave(kv_indptr[:-1].long(), counts)
+    flat = (rows * width + cols).to(md.block_tables.device, non_blocking=True)
+    kv_indices = md.block_tables.reshape(-1)[flat].to(torch.int32).contiguous()
+    last = (kv_lens - (n_pages - 1) * p).to(torch.int32)
+    shape = md.extras.get(CUDA_GRAPH_SHAPE_KEY)
+    # Graph steps own every slot (the runner checks); otherwise look once per step, so the
+    # layers' writes need no per-layer host sync.
+    valid = shape is not None or not bool((md.slot_mapping < 0).any())
+    return StepPages(qo_indptr, kv_indptr, kv_indices, last, kv_lens, p,
+                     tuple(shape) if shape is not None else None, valid)
+
+
+@dataclass(frozen=True)
+class PlanKey:
+    """What a plan is specialised for (one wrapper each)."""
+
+    kind: str                                   # "gqa" | "mla"
+    graph_shape: Optional[tuple[int, int, int]]
+    causal: bool
+    num_qo_heads: int
+    num_kv_heads: int                           # MLA: 1
+    head_dim: int                               # GQA: D; MLA: kv_lora_rank (value width)
+    head_dim_rope: int                          # GQA: 0; MLA: rope width
+    dtype: torch.dtype
+    scale: float
+
+
+class _PlanSlot:
+    """One flashinfer wrapper plus which step it is planned for."""
+
+    def __init__(self, wrapper: Any):
+        self.wrapper = wrapper
+        self.planned_for: Optional[StepPages] = None
+        self.uploaded: Optional[torch.cuda.Event] = None   # plan's async upload from pinned memory
+
+
+def scatter_slots(cache_plane: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Graph-safe `write_slots` for slots that are all valid (no -1, no host sync).
+
+    cache_plane: [num_pages, H, P, D]; values: [T, H, D]; slot_mapping: [T] int64 >= 0.
+    """
+    p = cache_plane.shape[2]
+    cache_plane[slot_mapping // p, :, slot_mapping % p] = values.to(cache_plane.dtype)
+
+
+class FlashInferAttention(AttentionBackend):
+    """flashinfer paged attention: GQA prefill / decode / verify / non-causal draft blocks
+    (BatchPrefillWithPagedKVCacheWrapper, HND) and absorbed MLA (BatchMLAPagedAttentionWrapper).
+
+    fp8 KV is not supported (declared fp8_kv=False); sliding windows are not supported.
+    MLA runs eagerly only (the drafter is never graphed).
+    """
+
+    name = "FLASHINFER"
+    capabilities = BackendCapabilities(paged=True, mla=True, non_causal_block=True,
+                                       sliding_window=False, fp8_kv=False, cuda_graphs=True,
+                                       devices=("cuda",))
+
+    def __init__(self, gqa_kernel: str = "auto", mla_kernel: Optional[str] = None):
+        """gqa_kernel: flashinfer prefill backend ("auto" = fa3 on sm90, else fa2);
+        mla_kernel: flashinfer MLA backend (None = "fa3" on sm90, else "auto")."""
+        self.gqa_kernel = gqa_kernel
+        self.mla_kernel = mla_kernel
+        self._workspace: Optional[torch.Tensor] = None
+        self._slots: dict[PlanKey, _PlanSlot] = {}
+
+    # ---- step planning -----------------------------------------------------------------
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        """Build the step's page metadata; for a graph step, re-plan its known wrappers."""
+        if metadata.sliding_window is not None:
+            raise ValueError("attention backend FLASHINFER does not support sliding windows")
+        pages = build_step_pages(metadata)
+        metadata.extras[PAGES_KEY] = pages
+        if pages.graph_shape is not None:
+            for key, slot in self._slots.items():
+                if key.graph_shape == pages.graph_shape and key.causal == metadata.causal:
+                    self._plan(slot, key, pages)
+
+    def _pages(self, md: AttentionMetadata) -> StepPages:
+        pages = md.extras.get(PAGES_KEY)
+        if pages is None:
+            self.prepare(md)
+            pages = md.extras[PAGES_KEY]
+        return pages
+
+    def _planned_slot(self, key: PlanKey, pages: StepPages, device: torch.device) -> _PlanSlot:
+        slot = self._slots.get(key)
+        if slot is None:
+            slot = _PlanSlot(self._new_wrapper(key, device))
+            self._slots[key] = slot
+        if slot.planned_for is not pages:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("flashinfer would plan inside CUDA-graph capture; prepare() the "
+                                   "metadata and run one eager forward before capturing")
+            self._plan(slot, key, pages)
+        return slot
+
+    def _workspace_on(self, device: torch.device) -> torch.Tensor:
+        if self._workspace is None or self._workspace.device != device:
+            self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        return self._workspace
+
+    def _new_wrapper(self, key: PlanKey, device: torch.device) -> Any:
+        fi = import_flashinfer()
+        ws = self._workspace_on(device)
+        if key.kind == "gqa":
+            if key.graph_shape is None:
+                return fi.BatchPrefillWithPagedKVCacheWrapper(ws, kv_layout="HND", backend=self.gqa_kernel)
+            bsz, _, max_pages = key.graph_shape
+            i32 = dict(dtype=torch.int32, device=device)
+            return fi.BatchPrefillWithPagedKVCacheWrapper(
+                ws, kv_layout="HND", backend=self.gqa_kernel, use_cuda_graph=True,
+                qo_indptr_buf=torch.zeros(bsz + 1, **i32), paged_kv_indptr_buf=torch.zeros(bsz + 1, **i32),
+                paged_kv_indices_buf=torch.zeros(bsz * max_pages, **i32),
+                paged_kv_last_page_len_buf=torch.zeros(bsz, **i32))
+        if key.graph_shape is not None:
+            raise ValueError("FLASHINFER runs MLA eagerly only (no CUDA-graph MLA plans)")
+        mla_kernel = self.mla_kernel
+        if mla_kernel is None:
+            mla_kernel = "fa3" if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9 \
+                else "auto"
+        return importlib.import_module("flashinfer.mla").BatchMLAPagedAttentionWrapper(ws, backend=mla_kernel)
+
+    def _plan(self, slot: _PlanSlot, key: PlanKey, pages: StepPages) -> None:
+        # The wrapper stages its schedule in pinned memory and uploads it asynchronously:
+        # wait until the previous upload left that buffer before overwriting it.
+        if slot.uploaded is not None:
+            slot.uploaded.synchronize()
+        if key.kind == "gqa":
+            extra = {"uniform_q_len": key.graph_shape[1]} if key.graph_shape is not None else {}
+            slot.wrapper.plan(pages.qo_indptr, pages.kv_indptr, pages.kv_indices, pages.last_page_len,
+                              key.num_qo_heads, key.num_kv_heads, key.head_dim, pages.page_size,
+                              causal=key.causal, sm_scale=key.scale, q_data_type=key.dtype,
+                              kv_data_type=key.dtype, **extra)
+        else:
+            meta = importlib.import_module("flashinfer.mla").MLAPlanMetadata.csr(
+                pages.qo_indptr, pages.kv_indptr, pages.kv_indices, pages.kv_lens)
+            slot.wrapper.plan(metadata=meta, num_heads=key.num_qo_heads, head_dim_ckv=key.head_dim,
+                              head_dim_kpe=key.head_dim_rope, page_size=pages.page_size,
+                              causal=key.causal, sm_scale=key.scale, q_data_type=key.dtype,
+                              kv_data_type=key.dtype, query_layout="packed", kv_cache_layout="packed")
+        if pages.kv_indices.device.type == "cuda":
+            slot.uploaded = torch.cuda.Event()
+            slot.uploaded.record()
+        slot.planned_for = pages
+
+    # ---- attention ---------------------------------------------------------------------
+    @staticmethod
+    def _check_dtypes(q: torch.Tensor, kv_cache: torch.Tensor) -> None:
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"FLASHINFER needs float16/bfloat16 queries, got {q.dtype}")
+        if kv_cache.dtype != q.dtype:
+            raise ValueError(f"FLASHINFER needs the KV cache in the query dtype ({q.dtype}), got "
+                             f"{kv_cache.dtype} (fp8 KV is not supported: capabilities.fp8_kv=False)")
+
+    def _write(self, cache_plane: torch.Tensor, values: torch.Tensor, md: AttentionMetadata,
+               pages: StepPages) -> None:
+        if pages.slots_valid:
+            scatter_slots(cache_plane, values, md.slot_mapping)
+        else:
+            write_slots(cache_plane, values, md.slot_mapping)
+
+    def forward(self, q, k, v, kv_cache, metadata, scale):
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: [num_pages, 2, Hkv, P, D] -> [T, Hq, D]."""
+        self._check_dtypes(q, kv_cache)
+        pages = self._pages(metadata)
+        self._write(kv_cache[:, 0], k, metadata, pages)
+        self._write(kv_cache[:, 1], v, metadata, pages)
+        key = PlanKey("gqa", pages.graph_shape, metadata.causal, q.shape[1], k.shape[1], q.shape[2], 0,
+                      q.dtype, float(scale))
+        slot = self._planned_slot(key, pages, q.device)
+        return slot.wrapper.run(q.contiguous(), kv_cache)
+
+    def forward_mla(self, q, latent, kv_cache, metadata, scale, v_dim):
+        """q: [T, H, R+r] (q_nope already absorbed into latent space | roped q_pe);
+        latent: [T, R+r]; kv_cache: [num_pages, 1, 1, P, R+r] -> [T, H, R] (R = v_dim)."""
+        self._check_dtypes(q, kv_cache)
+        dl = q.shape[-1]
+        if kv_cache.shape[-1] != dl or latent.shape[-1] != dl or not 0 < v_dim < dl:
+            raise ValueError(f"MLA widths disagree: q {dl}, latent {latent.shape[-1]}, "
+                             f"cache {kv_cache.shape[-1]}, v_dim {v_dim}")
+        pages = self._pages(metadata)
+        self._write(kv_cache[:, 0], latent[:, None, :], metadata, pages)
+        key = PlanKey("mla", pages.graph_shape, metadata.causal, q.shape[1], 1, v_dim, dl - v_dim,
+                      q.dtype, float(scale))
+        slot = self._planned_slot(key, pages, q.device)
+        return slot.wrapper.run(query=q.contiguous(), kv_cache=kv_cache[:, 0, 0])

@@ -1,0 +1,180 @@
+"""CUDA-graph decode/verify steps vs eager ones.
+
+GPU: a tiny random Llama with head_dim 64 (flashinfer's smallest) is teacher-forced through
+a graph engine (FLASHINFER + use_cuda_graph), an eager FLASHINFER engine and an eager
+VANILLA engine with identical token streams; logits must agree within bf16 tolerance (with
+a negative control), every generation step must replay a graph, and padding to the bucket
+must not disturb the real rows. Through the LLM API, greedy tokens of FLASHINFER + graphs
+must equal VANILLA's, except at a near-tie that transformers' fp32 logits confirm.
+CPU: bucket choice, input padding, and a clear error for use_cuda_graph without CUDA.
+"""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from tensorrt_llm._torch.attention_backend.interface import BAD_PAGE_INDEX
+from tensorrt_llm._torch.pyexecutor.cuda_graph_runner import batch_buckets, pack_graph_inputs
+
+TOL = 2e-2
+NEG_MIN = 0.2
+
+
+def gpu(test):
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+# ---- CPU ---------------------------------------------------------------------------------
+def test_batch_buckets():
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert batch_buckets(6) == [1, 2, 4, 6]
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(1000) == [1, 2, 4, 8, 16, 32, 64, 128]
+
+
+def test_pack_graph_inputs_pads_into_scratch_page():
+    bt = torch.tensor([[5, 9, BAD_PAGE_INDEX], [7, 2, 3]], dtype=torch.int32)
+    g = pack_graph_inputs([[11, 12], [21, 22]], [17, 40], [[9 * 16 + 1, 9 * 16 + 2], [3 * 16 + 8, 3 * 16 + 9]],
+                          bt, bucket=4, q=2, max_pages=5, scratch_page=30, page_size=16)
+    assert g.input_ids.tolist() == [11, 12, 21, 22, 0, 0, 0, 0]
+    assert g.positions.tolist() == [17, 18, 40, 41, 0, 1, 0, 1]
+    assert g.slot_mapping.tolist() == [145, 146, 56, 57, 480, 481, 480, 481]
+    assert g.num_cached == [17, 40, 0, 0]
+    assert g.block_tables.tolist() == [[5, 9, -1, -1, -1], [7, 2, 3, -1, -1],
+                                       [30, -1, -1, -1, -1], [30, -1, -1, -1, -1]]
+    with pytest.raises(ValueError, match="cannot pad"):
+        pack_graph_inputs([[1]] * 3, [0] * 3, [[0]] * 3, bt[:1].repeat(3, 1), 2, 1, 5, 30, 16)
+
+
+def test_use_cuda_graph_without_cuda_raises(tiny_llama_dir, make_llm):
+    with pytest.raises(ValueError, match="use_cuda_graph needs a CUDA device"):
+        make_llm(tiny_llama_dir, device="cpu", use_cuda_graph=True)
+
+
+# ---- GPU ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llama64_dir(tiny_llama_dir, tmp_path_factory):
+    """Tiny random Llama: 2 layers, hidden 256, 4 heads x 64, 2 KV heads, vocab 512 (bf16-friendly)."""
+    import transformers
+
+    folder = tmp_path_factory.mktemp("llama64")
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                   vocab_size=512, max_position_embeddings=512, tie_word_embeddings=True,
+                                   rms_norm_eps=1e-5, rope_theta=1000.0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).float().eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():       # larger-than-init weights: peaky logits, non-trivial norms
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.2 * noise if "norm" in name else
+                    noise if "embed_tokens" in name else noise * p.shape[-1] ** -0.5)
+    model.save_pretrained(folder, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(tiny_llama_dir / f, folder / f)
+    return folder
+
+
+def make_engine(path, backend_name: str, use_graph: bool, max_batch: int = 8, tokens_per_gen: int = 3):
+    from tensorrt_llm._torch.attention_backend.resolver import create_backend
+    from tensorrt_llm._torch.models import load_target_model
+    from tensorrt_llm._torch.pyexecutor.kv_cache_spec import KVCacheSpec
+    from tensorrt_llm._torch.pyexecutor.model_engine import ModelEngine
+    from tensorrt_llm._torch.pyexecutor.resource_manager import KVCacheManager
+
+    dev = torch.device("cuda")
+    model = load_target_model(path, torch.bfloat16, dev, max_positions=512)
+    layers, kv_heads, head_dim = model.kv_cache_layout()
+    kv = KVCacheManager([KVCacheSpec("target", "gqa", layers, 2, kv_heads, head_dim, torch.bfloat16)],
+                        num_pages=96, tokens_per_block=16, max_seq_len=256, device=dev)
+    backend, _ = create_backend(backend_name, dev)
+    return ModelEngine(model, kv, backend, dev, use_cuda_graph=use_graph, max_batch_size=max_batch,
+                       tokens_per_gen=tokens_per_gen)
+
+
+@gpu
+@pytest.mark.parametrize("batch", [1, 3, 6])
+def test_graph_matches_eager_teacher_forced(llama64_dir, batch):
+    pytest.importorskip("flashinfer")
+    from tensorrt_llm._torch.pyexecutor.model_engine import ForwardSegment
+
+    engines = {"graph": make_engine(llama64_dir, "FLASHINFER", True),
+               "eager": make_engine(llama64_dir, "FLASHINFER", False),
+               "vanilla": make_engine(llama64_dir, "VANILLA", False)}
+    g = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(3, 512, (int(n),), generator=g).tolist()
+               for n in torch.randint(5, 40, (batch,), generator=g)]
+    qs = [1, 3, 1, 1, 3, 3, 1]
+    for e in engines.values():
+        for rid, pr in enumerate(prompts):
+            e.kv.add_sequence(rid, pr, len(pr) + sum(qs) + 4)
+            e.kv.ensure_capacity(rid, len(pr))
+        e.forward([ForwardSegment(rid, pr, 0, 1) for rid, pr in enumerate(prompts)])   # eager prefill
+    pos = [len(pr) for pr in prompts]
+    for step, q in enumerate(qs):
+        toks = torch.randint(3, 512, (batch, q), generator=g).tolist()
+        segs = [ForwardSegment(rid, toks[rid], pos[rid], q) for rid in range(batch)]
+        outs = {}
+        for name, e in engines.items():
+            for rid in range(batch):
+                e.kv.ensure_capacity(rid, pos[rid] + q)
+            outs[name] = e.forward(segs)
+        graph, eager, vanilla = outs["graph"], outs["eager"], outs["vanilla"]
+        assert graph.logits.shape == (batch * q, 512)
+        assert graph.logits_offsets == eager.logits_offsets and graph.token_offsets == eager.token_offsets
+        assert rel(graph.logits, eager.logits) < TOL, f"step {step}: graph vs eager"
+        assert rel(graph.logits, vanilla.logits) < TOL, f"step {step}: graph vs vanilla"
+        if batch * q > 1:   # negative control: each row compared with its neighbour's
+            assert rel(graph.logits.roll(1, 0), vanilla.logits) > NEG_MIN
+        pos = [p + q for p in pos]
+    runner = engines["graph"].graph_runner
+    assert runner.num_replays == len(qs) and runner.num_captures == 2      # (bucket, 1), (bucket, 3)
+    assert runner.num_eager_fallbacks == 1                                 # the prefill
+
+
+@gpu
+def test_vanilla_with_cuda_graph_raises(llama64_dir):
+    with pytest.raises(ValueError, match="does not support CUDA graphs"):
+        make_engine(llama64_dir, "VANILLA", True)
+
+
+def _first_divergence(a: list[int], b: list[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+@gpu
+def test_llm_greedy_graph_matches_vanilla(llama64_dir, make_llm, hf_reference):
+    pytest.importorskip("flashinfer")
+    from tensorrt_llm import SamplingParams
+
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 400, (int(n),), generator=g).tolist() for n in (5, 12, 33, 20, 9)]
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    common = dict(device="cuda", max_batch_size=8,
+                  kv_cache_config={"max_tokens": 4096, "tokens_per_block": 16})
+    fi = make_llm(llama64_dir, attn_backend="FLASHINFER", use_cuda_graph=True, **common)
+    got = [o.outputs[0].token_ids for o in fi.generate(prompts, sp)]
+    runner = fi._bundle.executor.engine.graph_runner
+    assert runner.num_replays > 0 and runner.num_captures >= 1
+    ref = [o.outputs[0].token_ids for o in
+           make_llm(llama64_dir, attn_backend="VANILLA", **common).generate(prompts, sp)]
+    hf = hf_reference.load(llama64_dir)
+    agreed = 0
+    for pr, a, b in zip(prompts, got, ref):
+        i = _first_divergence(a, b)
+        agreed += i
+        if i < len(a):   # only a near-tie in fp32 may flip a greedy choice
+            logits = hf_reference.logits(hf, pr + a[:i])[-1]
+            gap = float((logits[a[i]] - logits[b[i]]).abs())
+            assert gap < 0.03 * float(logits.std()), f"prompt {pr[:4]}..: diverged at {i}, fp32 gap {gap:.3f}"
+    assert agreed >= 0.75 * sum(len(a) for a in got)
