@@ -24,7 +24,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
-    metrics: dict = field(default_factory=dict)   # ttft_s, e2e_s, num_cached_prompt_tokens
+    # ttft_s, e2e_s, num_cached_prompt_tokens; with speculation also num_verify_steps,
+    # num_accepted_drafts and acceptance_length (None when no verify step ran)
+    metrics: dict = field(default_factory=dict)
 
 
 class GenerationResult:
@@ -47,6 +49,9 @@ class GenerationResult:
     # called from the executor thread
     def _update(self, req, new_tokens: list[int]) -> None:
         c = self._out.outputs[0]
+        streaming = self._stream is not None and (new_tokens or req.is_finished)
+        if not (streaming or req.is_finished):
+            return      # detokenize only when someone can see it (hot path of every step)
         c.token_ids = list(req.output_token_ids)
         c.text = self._text(c.token_ids, req.finish_reason == "stop")
         if req.is_finished:
@@ -59,11 +64,10 @@ class GenerationResult:
             if req.finish_time is not None:
                 m["e2e_s"] = req.finish_time - req.arrival_time
             m["num_cached_prompt_tokens"] = req.num_cached_prompt
-            if req.num_verify_steps:
-                m["num_verify_steps"] = req.num_verify_steps
-                m["num_accepted_drafts"] = req.num_accepted_drafts
-                m["acceptance_length"] = 1.0 + req.num_accepted_drafts / req.num_verify_steps
-        if self._stream is not None and (new_tokens or req.is_finished):
+            m["num_verify_steps"] = req.num_verify_steps
+            m["num_accepted_drafts"] = req.num_accepted_drafts
+            m["acceptance_length"] = req.acceptance_length
+        if streaming:
             self._stream.put(self._snapshot())
         if req.is_finished:
             self._done.set()

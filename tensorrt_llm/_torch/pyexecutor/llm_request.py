@@ -40,8 +40,15 @@ class LlmRequest:
     draft_tokens: list[int] = field(default_factory=list)   # proposed, awaiting verification
     draft_probs: object = None                               # [K, V] drafter probs (T>0)
     context_only: bool = False      # disaggregation: stop after the first token
-    num_verify_steps: int = 0       # DSpark verify steps of this request
-    num_accepted_drafts: int = 0    # drafts accepted over those steps (AL = 1 + accepted / steps)
+    num_verify_steps: int = 0       # speculative verify steps of this request
+    num_accepted_drafts: int = 0    # drafts accepted over those steps
+
+    @property
+    def acceptance_length(self) -> Optional[float]:
+        """Tokens committed per verify step (1 + accepted drafts / steps); None before any step."""
+        if not self.num_verify_steps:
+            return None
+        return 1.0 + self.num_accepted_drafts / self.num_verify_steps
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -121,25 +121,27 @@ class PyExecutor:
             segments.append(ForwardSegment(req.request_id, toks, req.num_computed, len(toks)))
             kinds.append("gen")
         out = self.engine.forward(segments)
+        by_id = {r.request_id: r for r in batch.context_requests + batch.generation_requests}
+        # One device->host sync for every greedy choice of the step (not one per request).
+        greedy_ids = out.logits.argmax(-1).tolist() if out.logits.shape[0] else []
         committed: list[tuple[LlmRequest, int, int, int]] = []  # (req, row0, start, n) for the drafter
         for i, (seg, kind) in enumerate(zip(segments, kinds)):
-            req = self._request(seg.request_id, batch)
+            req = by_id[seg.request_id]
             lo = out.logits_offsets[i]
             try:
                 if kind == "ctx":
                     req.num_computed += len(seg.token_ids)
                     committed.append((req, out.token_offsets[i], seg.start, len(seg.token_ids)))
                     if seg.num_logits:
-                        tok = self.sampler.sample(out.logits[lo:lo + 1], [req.request_id],
-                                                  [req.sampling_params])[0]
+                        tok = self._sample_one(out.logits, greedy_ids, lo, req)
                         req.state = RequestState.GENERATION
                         if req.first_token_time is None:
                             req.first_token_time = time.perf_counter()
                         self._append(req, [tok])
                 else:
-                    rows = out.logits[lo:lo + seg.num_logits]
-                    new = self.spec.accept(req, rows) if self.spec else self.sampler.sample(
-                        rows, [req.request_id], [req.sampling_params])
+                    n = seg.num_logits
+                    new = (self.spec.accept(req, out.logits[lo:lo + n], greedy_ids[lo:lo + n])
+                           if self.spec else [self._sample_one(out.logits, greedy_ids, lo, req)])
                     req.num_computed += len(new)
                     committed.append((req, out.token_offsets[i], seg.start, len(new)))
                     self._append(req, new)
@@ -156,15 +158,13 @@ class PyExecutor:
             if self.spec is not None:
                 self.spec.release(req)
 
+    def _sample_one(self, logits: torch.Tensor, greedy_ids: list[int], row: int, req: LlmRequest) -> int:
+        if req.sampling_params.greedy:
+            return greedy_ids[row]
+        return self.sampler.sample_row(logits[row], req.request_id, req.sampling_params)
+
     def _draft_room(self, generating: bool) -> int:
         return self.spec.lookahead_tokens if (self.spec is not None and generating) else 0
-
-    @staticmethod
-    def _request(rid: int, batch) -> LlmRequest:
-        for r in batch.context_requests + batch.generation_requests:
-            if r.request_id == rid:
-                return r
-        raise KeyError(rid)
 
     def _append(self, req: LlmRequest, tokens: list[int]) -> None:
         """Append newly committed tokens, applying stop criteria in order."""

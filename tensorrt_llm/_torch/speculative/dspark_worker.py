@@ -28,7 +28,7 @@ from ..pyexecutor.llm_request import LlmRequest, RequestState
 from ..pyexecutor.model_engine import build_metadata
 from ..pyexecutor.sampler import Sampler, processed_probs
 from .accept_stats import AcceptStats
-from .verification import greedy_accept, rejection_accept
+from .verification import greedy_accept, greedy_accept_ids, rejection_accept
 
 logger = logging.getLogger("tensorrt_llm")
 
@@ -70,12 +70,15 @@ class DSparkWorker:
                 "attention_backend": {"name": self.resolution.name, "reason": self.resolution.reason}}
 
     # ---- verification ------------------------------------------------------------------
-    def accept(self, req: LlmRequest, rows: torch.Tensor) -> list[int]:
-        """rows [K+1, V] target logits for [anchor, d1..dK] -> committed tokens."""
+    def accept(self, req: LlmRequest, rows: torch.Tensor, greedy_ids: Optional[list[int]] = None) -> list[int]:
+        """rows [K+1, V] target logits for [anchor, d1..dK] -> committed tokens.
+
+        greedy_ids: the rows' argmax already on the host (saves a device sync per request).
+        """
         drafts = list(req.draft_tokens)
         p = req.sampling_params
         if p.greedy:
-            out = greedy_accept(drafts, rows)
+            out = greedy_accept_ids(drafts, greedy_ids) if greedy_ids is not None else greedy_accept(drafts, rows)
         else:
             tp = processed_probs(rows, p)
             gen = self.sampler.generator(req.request_id, p)

@@ -12,7 +12,11 @@ def greedy_accept(draft_ids: list[int], target_logits: torch.Tensor) -> list[int
     Accept the longest prefix where d_i equals the target's argmax, then append the
     target's own token at the first mismatch (or the bonus token after all K).
     """
-    target = target_logits.argmax(-1).tolist()
+    return greedy_accept_ids(draft_ids, target_logits.argmax(-1).tolist())
+
+
+def greedy_accept_ids(draft_ids: list[int], target: list[int]) -> list[int]:
+    """Same as `greedy_accept` with the target's argmax ids [K+1] already on the host."""
     out = []
     for i, d in enumerate(draft_ids):
         if d != target[i]:
