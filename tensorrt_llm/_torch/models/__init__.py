@@ -24,4 +24,6 @@ def load_target_model(folder: str | Path, dtype: torch.dtype, device: torch.devi
     state = read_safetensors(folder)
     rules = model.checkpoint_key_rules()
     load_state_dict_strict(model, state, str(folder), ignore=rules["ignore"], optional=rules["optional"])
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    model.fuse_projections()
+    return model

@@ -46,6 +46,12 @@ class LlamaConfig:
         heads = require(cfg, "num_attention_heads", source)
         hidden = require(cfg, "hidden_size", source)
         head_dim = cfg.get("head_dim") or hidden // heads
+        # transformers >= 5 writes `rope_parameters` ({rope_theta, rope_type, scaling fields})
+        # instead of top-level rope_theta / rope_scaling; read both spellings.
+        rope = cfg.get("rope_parameters") or {}
+        rope_scaling = cfg.get("rope_scaling")
+        if rope_scaling is None and rope.get("rope_type", rope.get("type", "default")) != "default":
+            rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
         return cls(
             architecture=arch,
             vocab_size=require(cfg, "vocab_size", source),
@@ -56,8 +62,8 @@ class LlamaConfig:
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rope_scaling=rope_scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
@@ -77,9 +83,10 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                md: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+                md: AttentionMetadata, backend: AttentionBackend,
+                rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         """h: [T, hidden] residual stream in -> out."""
-        h = h + self.self_attn(self.input_layernorm(h), positions, kv_cache, md, backend)
+        h = h + self.self_attn(self.input_layernorm(h), positions, kv_cache, md, backend, rope=rope)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -124,11 +131,18 @@ class LlamaForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         captured: dict[int, torch.Tensor] = {}
         want = set(capture_layer_ids)
+        rope = self.rotary.cos_sin(positions)
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, positions, kv_caches[i], md, backend)
+            h = layer(h, positions, kv_caches[i], md, backend, rope)
             if i in want:
                 captured[i] = h
         return self.model.norm(h), [captured[i] for i in capture_layer_ids]
+
+    def fuse_projections(self) -> None:
+        """Inference-time GEMM fusion (q|k|v, gate|up); call after the final `.to(device, dtype)`."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> logits [N, V] float32."""

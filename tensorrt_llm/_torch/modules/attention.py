@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..attention_backend.interface import AttentionBackend, AttentionMetadata
@@ -29,6 +30,23 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
         self.rotary = rotary
         self.scale = head_dim ** -0.5
+        self._qkv: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None
+
+    def fuse_projections(self) -> None:
+        """One GEMM for q, k and v; the parameters become views of the fused weight."""
+        if self.q_norm is not None:
+            return
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        w = torch.cat([p.weight.data for p in projs], 0)
+        b = torch.cat([p.bias.data for p in projs], 0) if self.q_proj.bias is not None else None
+        o = 0
+        for p in projs:
+            n = p.weight.shape[0]
+            p.weight.data = w[o:o + n]
+            if b is not None:
+                p.bias.data = b[o:o + n]
+            o += n
+        self._qkv = (w, b)
 
     def project_kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> roped k [T, Hkv, D], v [T, Hkv, D]."""
@@ -41,9 +59,23 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, backend: AttentionBackend,
-                kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden]. kv_cache: [num_pages, 2, Hkv, P, D]."""
+                kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]. kv_cache: [num_pages, 2, Hkv, P, D].
+
+        rope: (cos, sin) from `rotary.cos_sin(positions)`, gathered once per model forward.
+        """
         t = x.shape[0]
+        if self._qkv is not None and kv is None:
+            nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = F.linear(x, *self._qkv).split([nq, nk, nk], dim=-1)
+            q = q.view(t, self.num_heads, self.head_dim)
+            k = k.view(t, self.num_kv_heads, self.head_dim)
+            v = v.view(t, self.num_kv_heads, self.head_dim)
+            cs = rope if rope is not None else self.rotary.cos_sin(positions)
+            q, k = self.rotary.apply(q, *cs), self.rotary.apply(k, *cs)
+            o = backend.forward(q, k, v, kv_cache, metadata, self.scale)
+            return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)

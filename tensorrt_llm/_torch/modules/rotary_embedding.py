@@ -87,12 +87,18 @@ class RotaryEmbedding(nn.Module):
         self.interleaved = interleaved
         self.max_positions = max_positions
 
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> (cos, sin) [T, 1, rot_dim/2] float32; gather once per forward."""
+        if self._cos.device != positions.device:
+            self._cos, self._sin = self._cos.to(positions.device), self._sin.to(positions.device)
+        return self._cos[positions][:, None, :], self._sin[positions][:, None, :]
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [T, H, rot_dim]; positions: [T] int -> rotated x (same dtype)."""
-        if self._cos.device != x.device:
-            self._cos, self._sin = self._cos.to(x.device), self._sin.to(x.device)
-        cos = self._cos[positions][:, None, :]                       # [T, 1, d/2] float32
-        sin = self._sin[positions][:, None, :]
+        return self.apply(x, *self.cos_sin(positions))
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, H, rot_dim] with (cos, sin) from `cos_sin` -> rotated x (same dtype)."""
         dtype, x = x.dtype, x.float()
         if self.interleaved:
             x1, x2 = x[..., 0::2], x[..., 1::2]
