@@ -12,6 +12,8 @@ from tokenizers import Tokenizer
 class TokenizerWrapper:
     def __init__(self, folder: str | Path):
         d = Path(folder)
+        if not d.is_dir():
+            raise ValueError(f"tokenizer/checkpoint folder not found: {d}")
         f = d / "tokenizer.json"
         if not f.is_file():
             raise ValueError(f"tokenizer folder {d} has no tokenizer.json")

@@ -1,0 +1,106 @@
+"""AUTO backend resolution from a fixed preference list, with mocked environment probes."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tensorrt_llm import LLM
+from tensorrt_llm._torch.attention_backend import resolver
+from tensorrt_llm._torch.attention_backend.interface import AttentionBackend
+from tensorrt_llm._torch.attention_backend.resolver import Probe, create_backend, resolve_name
+from tensorrt_llm._torch.attention_backend.vanilla import VanillaAttention
+
+CPU = Probe(device_type="cpu", sm=0, flashinfer_importable=False)
+H100 = Probe(device_type="cuda", sm=90, flashinfer_importable=True)
+B200 = Probe(device_type="cuda", sm=100, flashinfer_importable=True)
+H100_NO_FI = Probe(device_type="cuda", sm=90, flashinfer_importable=False,
+                   flashinfer_error="ModuleNotFoundError: No module named 'flashinfer'")
+
+
+def test_cpu_auto_is_vanilla():
+    for mla in (False, True):
+        assert resolve_name("AUTO", CPU, mla=mla).name == "VANILLA"
+    backend, res = create_backend("AUTO", torch.device("cpu"))
+    assert isinstance(backend, VanillaAttention) and res.name == "VANILLA"
+
+
+def test_explicit_flashinfer_on_cpu_raises_with_reason():
+    with pytest.raises(ValueError, match=r"FLASHINFER.*CUDA"):
+        resolve_name("FLASHINFER", CPU, mla=False)
+    with pytest.raises(ValueError, match=r"FLASHINFER.*CUDA"):
+        create_backend("FLASHINFER", torch.device("cpu"))
+
+
+def test_explicit_flashinfer_on_cpu_raises_through_llm(tiny_llama_dir):
+    with pytest.raises(ValueError, match=r"FLASHINFER.*CUDA"):
+        LLM(str(tiny_llama_dir), device="cpu", attn_backend="FLASHINFER")
+
+
+def test_unknown_name_raises():
+    with pytest.raises(ValueError, match="unknown attention backend 'FAST'"):
+        resolve_name("FAST", H100, mla=False)
+    with pytest.raises(ValueError, match="unknown attention backend 'vanilla'"):
+        resolve_name("vanilla", CPU, mla=False)     # names are exact, no silent case folding
+
+
+def test_explicit_trtllm_and_cutedsl_unavailable_raise():
+    with pytest.raises(ValueError, match="sm100"):
+        resolve_name("TRTLLM", H100, mla=False)
+    with pytest.raises(ValueError, match="CUTEDSL"):
+        resolve_name("CUTEDSL", B200, mla=False)
+    assert resolve_name("VANILLA", H100, mla=False).name == "VANILLA"
+    assert resolve_name("FLASHINFER", H100, mla=True).name == "FLASHINFER"
+
+
+def test_sm90_with_flashinfer():
+    assert resolve_name("AUTO", H100, mla=False).name == "FLASHINFER"
+    assert resolve_name("AUTO", H100, mla=True).name == "FLASHINFER"
+
+
+def test_sm100_gqa_falls_to_flashinfer_with_logged_reason(monkeypatch, caplog):
+    res = resolve_name("AUTO", B200, mla=False)
+    assert res.name == "FLASHINFER" and "TRTLLM" in res.reason
+
+    class FakeFlashInfer(AttentionBackend):
+        name = "FLASHINFER"
+
+        def forward(self, q, k, v, kv_cache, metadata, scale):
+            raise NotImplementedError
+
+    monkeypatch.setitem(resolver._LOADERS, "FLASHINFER", lambda: FakeFlashInfer)
+    with caplog.at_level(logging.INFO, logger="tensorrt_llm"):
+        backend, res = create_backend("AUTO", torch.device("cpu"), probe=B200)
+    assert isinstance(backend, FakeFlashInfer)
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    assert "FLASHINFER" in logged and "TRTLLM" in logged
+
+
+def test_no_flashinfer_mla_raises_naming_flashinfer():
+    with pytest.raises(ValueError, match=r"(?s)MLA.*flashinfer.*No module named 'flashinfer'"):
+        resolve_name("AUTO", H100_NO_FI, mla=True)
+
+
+def test_no_flashinfer_gqa_degrades_to_vanilla():
+    res = resolve_name("AUTO", H100_NO_FI, mla=False)
+    assert res.name == "VANILLA" and "flashinfer" in res.reason
+
+
+def test_flashinfer_mla_needs_sm80():
+    with pytest.raises(ValueError, match="sm80"):
+        resolve_name("AUTO", Probe("cuda", 75, True), mla=True)
+    assert resolve_name("AUTO", Probe("cuda", 75, True), mla=False).name == "FLASHINFER"
+
+
+def test_flashinfer_load_failure_is_a_clear_error(monkeypatch):
+    def broken():
+        raise ImportError("flashinfer_backend missing")
+    monkeypatch.setitem(resolver._LOADERS, "FLASHINFER", broken)
+    with pytest.raises(ValueError, match="FLASHINFER cannot be loaded"):
+        create_backend("AUTO", torch.device("cpu"), probe=H100)
+
+
+def test_capacity_report_names_backend_and_reason(tiny_llama_dir, make_llm):
+    rep = make_llm(tiny_llama_dir).capacity_report["attention_backend"]["target"]
+    assert rep["name"] == "VANILLA" and "cpu" in rep["reason"]

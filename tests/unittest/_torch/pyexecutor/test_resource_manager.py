@@ -1,0 +1,189 @@
+"""KVCacheManager invariants: sentinel-padded block tables, writes only into owned pages,
+reservations, pages back to the pool, prefix reuse of committed blocks, capacity report."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tensorrt_llm._torch.pyexecutor.model_engine as model_engine
+from tensorrt_llm import SamplingParams
+from tensorrt_llm._torch.attention_backend.interface import BAD_PAGE_INDEX
+from tensorrt_llm._torch.pyexecutor.kv_cache_spec import KVCacheSpec, kv_dtype_from_name, split_budget
+from tensorrt_llm._torch.pyexecutor.resource_manager import KVCacheManager
+
+CPU = torch.device("cpu")
+P = 16
+
+
+def manager(num_pages=8, reuse=False, max_seq_len=128) -> KVCacheManager:
+    spec = KVCacheSpec("target", "gqa", 2, 2, 2, 8, torch.float32)
+    return KVCacheManager([spec], num_pages, P, max_seq_len, CPU, enable_block_reuse=reuse, cache_salt="t")
+
+
+def assert_all_returned(kv: KVCacheManager) -> None:
+    assert kv.seqs == {}
+    assert kv.pool.num_free == kv.num_pages
+    assert kv.pool.count_ref_free_idle() and all(b.ref_count == 0 for b in kv.pool.blocks)
+    assert kv.available_pages() == kv.num_pages
+
+
+# ---- unit ---------------------------------------------------------------------------------
+def test_reserve_then_allocate_lazily_and_free():
+    kv = manager()
+    assert kv.can_admit(list(range(20)), 41)
+    kv.add_sequence(1, list(range(20)), 41)             # 41 tokens -> 3 pages reserved, 0 owned
+    assert kv.available_pages() == 5 and kv.pool.num_free == 8 and kv.owned_tokens(1) == 0
+    assert kv.ensure_capacity(1, 17) == 32              # 2 pages now
+    assert kv.ensure_capacity(1, 1000) == 48            # never beyond the reservation
+    assert kv.available_pages() == 5 and kv.pool.num_free == 5
+    with pytest.raises(ValueError, match="already"):
+        kv.add_sequence(1, [1], 2)
+    kv.free(1)
+    assert_all_returned(kv)
+
+
+def test_admission_respects_reservations():
+    kv = manager(num_pages=6)
+    kv.add_sequence(1, [1] * 20, 41)
+    kv.add_sequence(2, [2] * 20, 41)
+    assert not kv.can_admit([3] * 20, 41)               # 3 more pages needed, 0 unreserved
+    assert not kv.can_admit([3], 2)
+    kv.free(1)
+    assert kv.can_admit([3] * 20, 41)
+
+
+def test_block_tables_and_slots_use_sentinels():
+    kv = manager()
+    kv.pool.free_queue.move_to_end(0)                   # page 0 is not the first handed out
+    kv.add_sequence(1, [1] * 40, 48)
+    kv.add_sequence(2, [2] * 5, 8)
+    kv.ensure_capacity(1, 40)
+    kv.ensure_capacity(2, 5)
+    bt = kv.block_tables([1, 2])
+    p1, p2 = kv.seqs[1].pages, kv.seqs[2].pages
+    assert bt.dtype == torch.int32 and bt.shape == (2, 3)
+    assert bt[0].tolist() == p1 and bt[1].tolist() == p2 + [BAD_PAGE_INDEX] * 2
+    assert 0 not in p1 + p2 and 0 not in bt.tolist()[1]
+    # positions beyond owned pages get -1 (skipped writes), never a page-0 slot
+    assert kv.slots(2, 14, 4) == [p2[0] * P + 14, p2[0] * P + 15, -1, -1]
+    assert kv.slots(1, 31, 2) == [p1[1] * P + 15, p1[2] * P]
+
+
+def test_prefix_reuse_hashes_only_committed_full_blocks():
+    kv = manager(reuse=True)
+    toks = list(range(100, 150))                        # 50 tokens: 3 full blocks + 2
+    kv.add_sequence(1, toks, 60)
+    kv.ensure_capacity(1, 50)
+    kv.commit(1, toks, 20)                              # only the first block is verified
+    assert kv.seqs[1].num_hashed_blocks == 1
+    kv.free(1)
+    assert kv.add_sequence(2, toks, 60) == P            # one cached block, not three
+    kv.free(2)
+    kv.add_sequence(3, toks, 60)
+    kv.ensure_capacity(3, 50)
+    kv.commit(3, toks, 50)
+    kv.free(3)
+    assert kv.add_sequence(4, toks, 60) == 3 * P
+    kv.free(4)
+    # the whole prompt is never served from cache: at least one token is always computed
+    assert kv.add_sequence(5, toks[:48], 60) == 2 * P
+    kv.free(5)
+    assert kv.add_sequence(6, [7] + toks[1:], 60) == 0  # different first block: chain breaks
+    kv.free(6)
+    assert_all_returned(kv)
+
+
+def test_split_budget_token_parity_and_dtype():
+    target = KVCacheSpec("target", "gqa", 3, 2, 2, 16, torch.bfloat16)
+    draft = KVCacheSpec("draft", "mla", 1, 1, 1, 40, torch.float32)
+    assert target.bytes_per_token == 3 * 2 * 2 * 16 * 2 and draft.bytes_per_token == 160
+    per_page = (target.bytes_per_token + draft.bytes_per_token) * P
+    assert split_budget(10 * per_page + 5, [target, draft], P) == 10
+    assert split_budget(10 * per_page, [target, draft], P, fixed_bytes=per_page) == 9
+    with pytest.raises(ValueError, match="smaller than one page"):
+        split_budget(per_page - 1, [target, draft], P)
+    assert kv_dtype_from_name("fp8", torch.float32) == torch.float8_e4m3fn
+    assert kv_dtype_from_name("auto", torch.bfloat16) == torch.bfloat16
+
+
+# ---- through the engine -------------------------------------------------------------------
+def test_real_steps_metadata_invariants(tiny_llama_dir, make_llm, monkeypatch):
+    """Every real step: table rows = owned pages then BAD_PAGE_INDEX, slots inside owned pages."""
+    records = []
+    orig = model_engine.build_metadata
+
+    def spy(kv, request_ids, starts, lengths, causal, device, slot_lists=None):
+        md = orig(kv, request_ids, starts, lengths, causal, device, slot_lists)
+        records.append((list(request_ids), list(starts), list(lengths),
+                        [list(kv.seqs[r].pages) for r in request_ids], md, kv.num_pages))
+        return md
+
+    monkeypatch.setattr(model_engine, "build_metadata", spy)
+    llm = make_llm(tiny_llama_dir, max_num_tokens=24)
+    kv = llm._bundle.kv
+    kv.pool.free_queue.move_to_end(0)
+    llm._executor.shutdown()                             # drive the loop by hand: deterministic batches
+    lens = [5, 40, 17, 2, 33]
+    handles = [llm.generate_async(list(range(10, 10 + n)), SamplingParams(max_tokens=6, ignore_eos=True))
+               for n in lens]
+    llm._executor.run_until_idle()
+    assert all(h.result(timeout=0).finished for h in handles)
+    saw_padding = False
+    for rids, starts, lengths, pages, md, num_pages in records:
+        md.validate(num_pages)
+        bt = md.block_tables
+        assert bt.dtype == torch.int32 and bt.shape[0] == len(rids)
+        slots = md.slot_mapping.tolist()
+        t = 0
+        for i, pg in enumerate(pages):
+            assert bt[i, :len(pg)].tolist() == pg
+            tail = bt[i, len(pg):].tolist()
+            assert all(x == BAD_PAGE_INDEX for x in tail), f"unallocated entries {tail}"
+            saw_padding |= bool(tail)
+            for j in range(lengths[i]):
+                pos = starts[i] + j
+                assert slots[t + j] == pg[pos // P] * P + pos % P   # owned page, right offset
+            t += lengths[i]
+        assert t == len(slots)
+    assert saw_padding, "no step mixed requests with different page counts"
+    assert_all_returned(kv)
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_pages_return_to_pool_after_all_requests(tiny_llama_dir, make_llm, reuse):
+    llm = make_llm(tiny_llama_dir, max_num_tokens=32,
+                   kv_cache_config={"max_tokens": 512, "tokens_per_block": P, "enable_block_reuse": reuse})
+    prompt = list(range(20, 70))
+    first = llm.generate([prompt, prompt[:30], prompt], SamplingParams(max_tokens=10, ignore_eos=True))
+    assert_all_returned(llm._bundle.kv)
+    second = llm.generate(prompt, SamplingParams(max_tokens=10, ignore_eos=True))
+    assert second.outputs[0].token_ids == first[0].outputs[0].token_ids
+    assert (second.metrics["num_cached_prompt_tokens"] > 0) == reuse
+    report = llm.get_stats()["kv_cache"]
+    assert report["free_pages"] == report["num_pages"] and report["active_sequences"] == 0
+    assert_all_returned(llm._bundle.kv)
+
+
+@pytest.mark.parametrize("kv_dtype,itemsize", [("auto", 4), ("bfloat16", 2)])
+def test_capacity_report(tiny_llama_dir, make_llm, kv_dtype, itemsize):
+    llm = make_llm(tiny_llama_dir, kv_cache_config={"max_tokens": 200, "tokens_per_block": P, "dtype": kv_dtype})
+    rep = llm.capacity_report
+    layers, kv_heads, head_dim = 3, 2, 16
+    per_token = 2 * layers * kv_heads * head_dim * itemsize
+    pages = -(-200 // P)                                  # rounded up to whole pages
+    assert rep["num_pages"] == pages and rep["max_tokens"] == pages * P
+    pool = rep["pools"]["target"]
+    assert pool["bytes_per_token"] == per_token == rep["bytes_per_token_total"]
+    assert pool["layer_shape"] == [pages, 2, kv_heads, P, head_dim] and pool["num_layers"] == layers
+    assert pool["bytes"] == per_token * pages * P
+    assert pool["dtype"] == {"auto": "float32", "bfloat16": "bfloat16"}[kv_dtype]
+    real = llm._bundle.kv.pools["target"]
+    assert tuple(real.shape) == (layers, pages, 2, kv_heads, P, head_dim)
+    assert real.element_size() == itemsize
+    assert real.numel() * real.element_size() == pool["bytes"]
+
+
+def test_capacity_from_cpu_budget(tiny_llama_dir, make_llm):
+    per_page = 2 * 3 * 2 * 16 * 4 * P
+    llm = make_llm(tiny_llama_dir, kv_cache_config={"tokens_per_block": P, "cpu_kv_budget_bytes": 10 * per_page + 7})
+    assert llm.capacity_report["num_pages"] == 10
