@@ -35,6 +35,13 @@ class SamplingParams(BaseModel):
             raise ValueError(f"max_tokens must be >= 1, got {v}")
         return v
 
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        if v is not None and any(not s for s in ([v] if isinstance(v, str) else v)):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1

@@ -171,7 +171,7 @@ class PyExecutor:
         p = req.sampling_params
         emitted: list[int] = []
         for tok in tokens:
-            if not p.ignore_eos and (tok in req.end_ids or tok in p.stop_token_ids):
+            if (not p.ignore_eos and tok in req.end_ids) or tok in p.stop_token_ids:
                 req.finish("stop")
                 break
             req.output_token_ids.append(tok)

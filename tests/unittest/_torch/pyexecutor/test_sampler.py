@@ -145,8 +145,6 @@ def test_end_id_and_stop_token_ids_stop(llm):
     assert out.token_ids == greedy and out.finish_reason == "length"
 
 
-@pytest.mark.xfail(strict=True, reason="py_executor._append gates stop_token_ids behind ignore_eos; "
-                   "TRT-LLM/vLLM semantics: ignore_eos only ignores the EOS/end_id (lead to fix)")
 def test_stop_token_ids_apply_even_with_ignore_eos(llm):
     greedy = _ids(llm, SamplingParams(max_tokens=24, ignore_eos=True))
     k = 5
