@@ -120,6 +120,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     ap.add_argument("--device", default=None)
     ap.add_argument("--max-seq-len", type=int, default=2048)
     ap.add_argument("--kv-max-tokens", type=int, default=None)
+    ap.add_argument("--cuda-graph", action="store_true", help="use_cuda_graph=True (FLASHINFER on CUDA)")
+    ap.add_argument("--attn-backend", default="AUTO")
     ap.add_argument("--prompts-file", help="read prompts exported by --export-prompts (offline)")
     ap.add_argument("--export-prompts", help="write the eval prompts to this JSON file and exit")
     ap.add_argument("--json", help="write results here")
@@ -141,7 +143,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     if not a.model or not a.drafter:
         ap.error("--model and at least one --drafter are required")
     drafters = dict(d.split("=", 1) for d in a.drafter)
-    extra: dict = {"max_seq_len": a.max_seq_len}
+    extra: dict = {"max_seq_len": a.max_seq_len, "attn_backend": a.attn_backend, "use_cuda_graph": a.cuda_graph}
     if a.kv_max_tokens:
         extra["kv_cache_config"] = {"max_tokens": a.kv_max_tokens}
     report: dict = {"command": "python -m tensorrt_llm.bench.eval_acceptance", "args": vars(a),

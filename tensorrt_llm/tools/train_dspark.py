@@ -99,6 +99,8 @@ class DataConfig(_Strict):
     gen_max_num_tokens: int = Field(default=8192, ge=64, description="LLM token budget per step.")
     attn_backend: Literal["AUTO", "VANILLA", "FLASHINFER", "TRTLLM"] = Field(
         default="VANILLA", description="Target attention backend for regeneration.")
+    use_cuda_graph: bool = Field(
+        default=False, description="CUDA graphs for regeneration decode steps (needs FLASHINFER on CUDA).")
     max_gen_minutes: Optional[float] = Field(
         default=None, gt=0, description="Start no prompt chunk (4 x gen_batch) projected to end after this; "
         "the cache is then final.")
@@ -288,6 +290,7 @@ def regenerate(cfg: DSparkTrainConfig) -> list[dict]:
     t0 = time.perf_counter()
     max_seq = d.max_prompt_tokens + d.max_new_tokens
     llm = LLM(cfg.target, device=cfg.train.device, attn_backend=d.attn_backend, max_batch_size=d.gen_batch,
+              use_cuda_graph=d.use_cuda_graph,
               max_num_tokens=max(d.gen_max_num_tokens, d.max_prompt_tokens), max_seq_len=max_seq,
               kv_cache_config={"max_tokens": d.gen_batch * (max_seq + 64), "tokens_per_block": 32})
     cache.parent.mkdir(parents=True, exist_ok=True)
