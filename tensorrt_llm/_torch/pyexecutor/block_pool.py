@@ -33,7 +33,9 @@ class PoolStats:
     draft_hit_blocks: int = 0
     draft_recompute_blocks: int = 0   # target hit, draft context missing: recomputed
     evictions: int = 0
-    reused_tokens: int = 0
+    lookup_tokens: int = 0            # prompt tokens of admitted requests
+    reused_tokens: int = 0            # of those, served from cache (target KV)
+    draft_reused_tokens: int = 0      # of those, with the drafter's context KV reused too
     extra: dict = field(default_factory=dict)
 
 

@@ -124,10 +124,13 @@ class KVCacheManager:
         hits = self.match_prefix(token_ids)
         for bid in hits:
             self.pool.touch(bid)
-        st = self.pool.stats
+        st, cached = self.pool.stats, len(hits) * self.tokens_per_block
         st.hit_blocks += len(hits)
-        st.draft_hit_blocks += len(hits) if self.has_draft_pool else 0
-        st.reused_tokens += len(hits) * self.tokens_per_block
+        st.lookup_tokens += len(token_ids)
+        st.reused_tokens += cached
+        if self.has_draft_pool:   # match_prefix only returns blocks whose draft context exists
+            st.draft_hit_blocks += len(hits)
+            st.draft_reused_tokens += cached
         seq = SequenceBlocks(pages=list(hits), reserved_pages=max(self.pages_for(reserve_tokens), len(hits)))
         seq.num_hashed_blocks = len(hits)
         if hits:
@@ -135,7 +138,7 @@ class KVCacheManager:
         seq.num_draft_valid_tokens = len(hits) * self.tokens_per_block
         self._reserved_unallocated += seq.reserved_pages - len(seq.pages)
         self.seqs[req_id] = seq
-        return len(hits) * self.tokens_per_block
+        return cached
 
     # ---- per-step ----------------------------------------------------------------------
     def ensure_capacity(self, req_id: int, num_tokens: int) -> int:
@@ -173,7 +176,9 @@ class KVCacheManager:
         """
         seq = self.seqs[req_id]
         p = self.tokens_per_block
-        limit = num_committed
+        # A stop inside an accepted draft run leaves num_committed past the returned tokens:
+        # never publish a block whose tokens are not all in `token_ids`.
+        limit = min(num_committed, len(token_ids))
         if self.has_draft_pool:
             limit = min(limit, seq.num_draft_valid_tokens)
         while (seq.num_hashed_blocks + 1) * p <= limit and seq.num_hashed_blocks < len(seq.pages):
@@ -201,6 +206,12 @@ class KVCacheManager:
 
     # ---- reporting ---------------------------------------------------------------------
     def report(self) -> dict:
+        """Pools, capacity and prefix-cache stats.
+
+        reuse.hit_rate = prompt tokens served from cache / prompt tokens of admitted requests;
+        reuse.draft_hit_rate counts the hits whose drafter context KV was reused too (None
+        without a draft pool).
+        """
         p = self.tokens_per_block
         pools = {}
         for name, s in self.specs.items():
@@ -212,6 +223,7 @@ class KVCacheManager:
                 "bytes": s.bytes_per_token * self.max_tokens,
             }
         st = self.pool.stats
+        rate = (lambda n: n / st.lookup_tokens) if st.lookup_tokens else (lambda n: 0.0)
         return {
             "tokens_per_block": p, "num_pages": self.num_pages, "max_tokens": self.max_tokens,
             "bytes_per_token_total": sum(s.bytes_per_token for s in self.specs.values()),
@@ -219,6 +231,8 @@ class KVCacheManager:
             "reuse": {"enabled": self.pool.enable_reuse, "lookups_blocks": st.lookups_blocks,
                       "hit_blocks": st.hit_blocks, "draft_hit_blocks": st.draft_hit_blocks,
                       "draft_recompute_blocks": st.draft_recompute_blocks,
-                      "reused_tokens": st.reused_tokens, "evictions": st.evictions,
-                      "hit_rate": st.hit_blocks / st.lookups_blocks if st.lookups_blocks else 0.0},
+                      "evictions": st.evictions, "lookup_tokens": st.lookup_tokens,
+                      "reused_tokens": st.reused_tokens, "draft_reused_tokens": st.draft_reused_tokens,
+                      "hit_rate": rate(st.reused_tokens),
+                      "draft_hit_rate": rate(st.draft_reused_tokens) if self.has_draft_pool else None},
         }

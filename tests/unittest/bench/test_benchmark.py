@@ -1,0 +1,144 @@
+"""`trtllm-bench` in-process on a tiny random Llama, plus its concurrency limiter on a fake LLM."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tensorrt_llm.bench import benchmark as bm
+from tensorrt_llm.sampling_params import SamplingParams
+
+_CORPUS = ["the quick brown fox jumps over the lazy dog",
+           "what is the capital of france? paris is the capital.",
+           "write a haiku about autumn leaves and the sea",
+           "explain why the sky is blue in two sentences"] * 5
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    """LlamaConfig(hidden 64, 2 layers, 4 heads, 2 KV heads, vocab 512) + a byte-level BPE, no chat template."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("tiny_llama")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(_CORPUS, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    assert tok.get_vocab_size() <= 512
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>", "bos_token": None}))
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=512, max_position_embeddings=512,
+                      bos_token_id=None, eos_token_id=0, pad_token_id=0)
+    LlamaForCausalLM(cfg).save_pretrained(str(d))
+    return d
+
+
+def _run(argv: list[str], capsys) -> str:
+    assert bm.main(argv) == 0
+    return capsys.readouterr().out
+
+
+def test_trtllm_bench_in_process(tiny_model, tmp_path, capsys):
+    out_json = tmp_path / "bench.json"
+    stdout = _run(["--model", str(tiny_model), "--num-requests", "4", "--concurrency", "1", "2",
+                   "--max-tokens", "6", "--ignore-eos", "--no-chat-template", "--hf-baseline", "--no-hf-static-cache",
+                   "--json", str(out_json)], capsys)
+    report = json.loads(out_json.read_text())
+    assert set(report) == {"config", "llm_args", "machine", "capacity_report", "results"}
+    assert report["config"]["dataset"] == "default" and report["llm_args"]["max_batch_size"] == 2
+    rows = report["results"]
+    assert [(r["arm"], r["concurrency"]) for r in rows] == [("trtllm", 1), ("trtllm", 2), ("hf", 1), ("hf", 2)]
+    cap = report["capacity_report"]["max_tokens"]
+    for r in rows:
+        assert r["num_requests"] == 4 and r["output_tokens"] == 4 * 6
+        assert r["requests_per_s"] > 0 and r["output_tok_s"] > 0
+    for r in rows[:2]:
+        assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] and r["ttft_mean_s"] > 0 and r["tpot_mean_s"] > 0
+        assert 0 < r["kv_peak_used_tokens"] <= cap == r["kv_capacity_tokens"]
+        assert r["speculative"] is None and r["input_tokens"] > 0
+    assert rows[2]["static_cache"] is False and rows[2]["device"] == report["capacity_report"]["device"]
+    table = [ln for ln in stdout.splitlines() if ln.startswith("| ")]
+    assert len(table) == 1 + 4 and "TTFT p99 ms" in table[0]
+
+
+def test_chat_template_required(tiny_model, capsys):
+    with pytest.raises(SystemExit):
+        bm.main(["--model", str(tiny_model), "--num-requests", "1", "--concurrency", "1", "--max-tokens", "2"])
+    assert "has no chat_template; pass --no-chat-template" in capsys.readouterr().err
+
+
+def test_build_llm_args_yaml(tiny_model, tmp_path):
+    y = tmp_path / "extra.yaml"
+    y.write_text("max_batch_size: 3\nkv_cache_config:\n  max_tokens: 256\n")
+    a = bm.build_llm_args(str(tiny_model), str(y), [1, 16])
+    assert a.max_batch_size == 3 and a.kv_cache_config.max_tokens == 256 and a.model == str(tiny_model)
+    assert bm.build_llm_args(str(tiny_model), None, [1, 16]).max_batch_size == 16
+    y.write_text("max_batch_sise: 3\n")
+    with pytest.raises(ValueError, match="extra.yaml: invalid LLM args"):
+        bm.build_llm_args(str(tiny_model), str(y), [1])
+
+
+# ---- the limiter and the stats on a fake LLM (no engine) ---------------------------------
+class _FakeLLM:
+    """generate_async finishes each request after a few ms on a timer thread; tracks in-flight."""
+
+    def __init__(self):
+        self.in_flight = self.peak = self.submitted = 0
+        self.lock = threading.Lock()
+        self.capacity_report = {"tokens_per_block": 32, "max_tokens": 1024}
+
+    def get_stats(self):
+        with self.lock:
+            used = self.in_flight
+        return {"kv_cache": {"num_pages": 32, "free_pages": 32 - used}}
+
+    def generate_async(self, ids, params):
+        with self.lock:
+            self.in_flight += 1
+            self.submitted += 1
+            self.peak = max(self.peak, self.in_flight)
+        done = threading.Event()
+        out = SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1] * params.max_tokens, finish_reason="length",
+                                                       error=None)], metrics={})
+        t0 = time.perf_counter()
+
+        def finish():
+            with self.lock:
+                self.in_flight -= 1
+            out.metrics.update(ttft_s=0.002, e2e_s=time.perf_counter() - t0)
+            done.set()
+        threading.Timer(0.02, finish).start()
+        return SimpleNamespace(result=lambda: (done.wait(), out)[1])
+
+
+@pytest.mark.parametrize("c", [1, 3, 16])
+def test_run_concurrency_caps_in_flight(c):
+    llm = _FakeLLM()
+    row = bm.run_concurrency(llm, [[1, 2, 3]] * 10, c, SamplingParams(max_tokens=5))
+    assert llm.submitted == 10 and llm.peak == min(c, 10)
+    assert row["num_requests"] == 10 and row["output_tokens"] == 50 and row["input_tokens"] == 30
+    assert row["kv_peak_used_tokens"] <= 32 * min(c, 10) and row["kv_capacity_tokens"] == 1024
+
+
+def test_percentile_and_spec_delta():
+    assert bm.percentile([], 50) is None
+    assert bm.percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.5 and bm.percentile([1.0, 2.0], 99) == pytest.approx(1.99)
+    before = {"accept_histogram": [2, 1, 0], "draft_tokens": 6}
+    after = {"accept_histogram": [2, 2, 3], "draft_tokens": 14}
+    d = bm._spec_delta(before, after)
+    assert d["accept_histogram"] == [0, 1, 3] and d["acceptance_length"] == pytest.approx(1 + 7 / 4)
+    assert d["acceptance_rate"] == pytest.approx(7 / 8)
+    assert bm._spec_delta(None, None) is None
+    table = bm.format_table([{"arm": "x", "concurrency": 1, "requests_per_s": 1.0, "output_tok_s": 2.0,
+                              "speculative": d}])
+    assert table.splitlines()[-1].endswith("| 2.75 |")
