@@ -18,7 +18,6 @@ setup(
         "gguf>=0.10",
         "jinja2",
         "tqdm",
-        "pyarrow",
     ],
     extras_require={
         "gpu": ["flashinfer-python==0.7.2.post1"],
