@@ -145,6 +145,8 @@ class PyExecutor:
                     req.num_computed += len(new)
                     committed.append((req, out.token_offsets[i], seg.start, len(new)))
                     self._append(req, new)
+                    # a stop inside an accepted run drops the tokens after it
+                    req.num_computed = min(req.num_computed, req.num_tokens)
                 self.kv.commit(req.request_id, req.all_token_ids, req.num_computed)
             except Exception as e:
                 req.error = f"{type(e).__name__}: {e}"
