@@ -153,6 +153,32 @@ class KVCacheManager:
     def owned_tokens(self, req_id: int) -> int:
         return len(self.seqs[req_id].pages) * self.tokens_per_block
 
+    def export_pages(self, req_id: int, num_tokens: int) -> dict[str, torch.Tensor]:
+        """Copy the pages holding a request's first `num_tokens` tokens out of every pool.
+
+        Returns {pool: [L, n_pages, planes, heads, P, D]} (for context -> generation transfer).
+        """
+        pages = self.seqs[req_id].pages[:self.pages_for(num_tokens)]
+        if len(pages) < self.pages_for(num_tokens):
+            raise ValueError(f"request {req_id} owns {len(pages)} pages, fewer than {num_tokens} tokens need")
+        idx = torch.tensor(pages, dtype=torch.long, device=self.device)
+        return {name: pool[:, idx].clone() for name, pool in self.pools.items()}
+
+    def import_pages(self, req_id: int, data: dict[str, torch.Tensor]) -> None:
+        """Write exported pages into this request's own first pages (same pools and shapes)."""
+        if set(data) != set(self.pools):
+            raise ValueError(f"imported pools {sorted(data)} do not match this manager's {sorted(self.pools)}")
+        n = next(iter(data.values())).shape[1]
+        pages = self.seqs[req_id].pages
+        if len(pages) < n:
+            raise ValueError(f"request {req_id} owns {len(pages)} pages; {n} are being imported")
+        idx = torch.tensor(pages[:n], dtype=torch.long, device=self.device)
+        for name, t in data.items():
+            want = self.pools[name][:, idx].shape
+            if t.shape != want:
+                raise ValueError(f"pool {name!r}: imported shape {tuple(t.shape)} != {tuple(want)}")
+            self.pools[name][:, idx] = t.to(self.pools[name].dtype)
+
     def slots(self, req_id: int, start: int, count: int) -> list[int]:
         """Flat slots for positions start..start+count-1; -1 beyond the pages the request owns."""
         pages, p = self.seqs[req_id].pages, self.tokens_per_block

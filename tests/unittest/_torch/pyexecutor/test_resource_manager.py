@@ -187,3 +187,33 @@ def test_capacity_from_cpu_budget(tiny_llama_dir, make_llm):
     per_page = 2 * 3 * 2 * 16 * 4 * P
     llm = make_llm(tiny_llama_dir, kv_cache_config={"tokens_per_block": P, "cpu_kv_budget_bytes": 10 * per_page + 7})
     assert llm.capacity_report["num_pages"] == 10
+
+
+def test_export_import_pages_round_trip_per_request():
+    """Pages are addressable per request: export from one manager, import into another's own pages."""
+    from tensorrt_llm._torch.pyexecutor.kv_cache_spec import KVCacheSpec
+    from tensorrt_llm._torch.pyexecutor.resource_manager import KVCacheManager
+    specs = [KVCacheSpec("target", "gqa", 2, 2, 2, 8, torch.float32),
+             KVCacheSpec("draft", "mla", 1, 1, 1, 12, torch.float32)]
+    src = KVCacheManager(specs, 8, 4, 64, torch.device("cpu"))
+    dst = KVCacheManager(specs, 8, 4, 64, torch.device("cpu"))
+    for pool in src.pools.values():
+        pool.copy_(torch.randn_like(pool))
+    src.add_sequence(1, [0] * 10, 10)
+    src.ensure_capacity(1, 10)
+    dst.add_sequence(9, [0] * 3, 3)          # occupy a page so ids differ between managers
+    dst.ensure_capacity(9, 3)
+    dst.add_sequence(1, [0] * 10, 10)
+    dst.ensure_capacity(1, 10)
+    assert src.seqs[1].pages != dst.seqs[1].pages
+    data = src.export_pages(1, 10)
+    assert data["target"].shape[1] == 3 and set(data) == {"target", "draft"}
+    before = {k: v.clone() for k, v in dst.pools.items()}
+    dst.import_pages(1, data)
+    for name in data:
+        got = dst.pools[name][:, torch.tensor(dst.seqs[1].pages)]
+        assert torch.equal(got, src.pools[name][:, torch.tensor(src.seqs[1].pages)])
+        other = [p for p in range(8) if p not in dst.seqs[1].pages]
+        assert torch.equal(dst.pools[name][:, other], before[name][:, other])   # neighbours untouched
+    with pytest.raises(ValueError, match="do not match"):
+        dst.import_pages(1, {"target": data["target"]})
