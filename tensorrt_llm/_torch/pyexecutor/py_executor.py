@@ -147,7 +147,8 @@ class PyExecutor:
                     self._append(req, new)
                     # a stop inside an accepted run drops the tokens after it
                     req.num_computed = min(req.num_computed, req.num_tokens)
-                self.kv.commit(req.request_id, req.all_token_ids, req.num_computed)
+                if self.spec is None:   # with a drafter, draft_step commits once the draft KV exists
+                    self.kv.commit(req.request_id, req.all_token_ids, req.num_computed)
             except Exception as e:
                 req.error = f"{type(e).__name__}: {e}"
                 logger.error("request %d failed: %s", req.request_id, req.error)
