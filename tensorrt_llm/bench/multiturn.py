@@ -18,11 +18,12 @@ Arms, one engine each in this process:
 
 * ``off``: ``enable_block_reuse=False``.
 * ``on``: ``enable_block_reuse=True``.
-* ``broken``: NEGATIVE CONTROL. Reuse ON, but when a request is admitted the draft-pool pages of
-  its prefix hits are zeroed, so the drafter's context does not follow the reuse (the target KV is
+* ``broken``: NEGATIVE CONTROL. Reuse ON, but after a prefix hit the drafter's context for the
+  tail is written from position 0 instead of the first uncached token (overwriting the reused
+  prefix's draft KV), so the drafter's context does not follow the reuse (the target KV is
   untouched, so the output must stay identical while AL drops). It exists only inside this
-  benchmark, as a patch of one engine's KV-manager instance (`break_draft_reuse`); it is not, and
-  must never become, an engine option.
+  benchmark, as a patch of one engine's DSpark worker instance (`break_draft_reuse`); it is not,
+  and must never become, an engine option.
 
 Per subset and arm: mean per-turn AL (1 + accepted drafts / verify steps of that turn's request;
 turns without a verify step are left out), turns, SE clustered on conversation (CR1), prefix hit
@@ -110,24 +111,25 @@ def load_mtbench_conversations(n: int, cache_dir: Optional[str] = None) -> list[
 
 # ---- engines -----------------------------------------------------------------------------
 def break_draft_reuse(llm: LLM) -> None:
-    """NEGATIVE CONTROL: zero the draft-pool pages of every prefix hit at admission.
+    """NEGATIVE CONTROL: the drafter's context does not follow the reuse.
 
-    Patches this engine's KV-manager *instance* only (the benchmark's BROKEN arm); the target
-    KV is untouched. Not an engine feature: it models a cache whose drafter context does not
-    follow reuse, to show that the benchmark can see the difference.
+    Models the bug this benchmark exists to catch: after a prefix hit, the drafter's context
+    for the newly computed tail is stored from position 0 (as for a new request) instead of
+    from the first uncached token, so it overwrites the reused prefix's draft KV and the
+    drafter cross-attends over the tail alone (at wrong positions). Patches this engine's
+    DSpark worker *instance* only (the BROKEN arm); the target KV is untouched, so outputs
+    stay identical while AL should drop. Not an engine feature.
     """
-    kv = llm._bundle.kv          # no public handle on the KV manager: this is a test double
-    if not kv.has_draft_pool:
+    spec = llm._executor.spec     # no public handle on the worker: this is a test double
+    if spec is None or not llm._bundle.kv.has_draft_pool:
         raise ValueError("the broken arm needs a drafter (a draft KV pool)")
-    add_sequence = kv.add_sequence
+    draft_step = spec.draft_step
 
-    def add_sequence_zeroing_draft_hits(req_id: int, token_ids: Sequence[int], reserve_tokens: int) -> int:
-        cached = add_sequence(req_id, token_ids, reserve_tokens)
-        hit_pages = kv.seqs[req_id].pages[:cached // kv.tokens_per_block]
-        if hit_pages:
-            kv.pools["draft"][:, hit_pages] = 0
-        return cached
-    kv.add_sequence = add_sequence_zeroing_draft_hits
+    def draft_step_tail_from_zero(committed, captured, kv):
+        shifted = [(req, row0, start - req.num_cached_prompt if req.num_cached_prompt else start, n)
+                   for req, row0, start, n in committed]
+        return draft_step(shifted, captured, kv)
+    spec.draft_step = draft_step_tail_from_zero
 
 
 def _llm(model: str, llm_options: dict, drafter: Optional[str], reuse: bool) -> LLM:
@@ -299,7 +301,7 @@ def run_multiturn(convs: Sequence[Conversation], model: str, drafter: str, max_n
     return {
         "config": {"model": model, "drafter": drafter, "max_new_tokens": max_new_tokens, "arms": list(arms),
                    "llm_options": opts, "temperature": 0.0,
-                   "broken_arm": "negative control: draft-pool pages of prefix hits zeroed at admission"},
+                   "broken_arm": "negative control: after a prefix hit the tail draft context is written from position 0"},
         "machine": {"platform": platform.platform(), "torch": torch.__version__,
                     "device": runs[arms[0]]["device"],
                     "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},

@@ -5,6 +5,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from tensorrt_llm._torch.models.checkpoint import read_config
 from tensorrt_llm._torch.models.modeling_dspark import DSparkForCausalLMBase
@@ -98,7 +99,7 @@ def test_clustered_mean_matches_hand_computation():
     assert mt.clustered_mean([], [])["mean"] is None
 
 
-def test_break_draft_reuse_zeroes_only_hit_draft_pages(make_llm, tiny_llama_dir, drafter):
+def test_break_draft_reuse_writes_tail_over_the_reused_prefix(make_llm, tiny_llama_dir, drafter):
     import time
 
     from tensorrt_llm import SamplingParams
@@ -106,21 +107,27 @@ def test_break_draft_reuse_zeroes_only_hit_draft_pages(make_llm, tiny_llama_dir,
 
     with pytest.raises(ValueError, match="drafter"):
         mt.break_draft_reuse(make_llm(tiny_llama_dir, kv_cache_config={"max_tokens": 256}))
-    llm = make_llm(tiny_llama_dir, speculative_config={"decoding_type": "DSpark", "speculative_model": drafter},
-                   kv_cache_config={"max_tokens": 1024, "tokens_per_block": 8, "enable_block_reuse": True})
-    mt.break_draft_reuse(llm)
-    kv, ids = llm._bundle.kv, list(range(3, 40))
-    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    outs = {}
+    for broken in (False, True):
+        llm = make_llm(tiny_llama_dir, speculative_config={"decoding_type": "DSpark", "speculative_model": drafter},
+                       kv_cache_config={"max_tokens": 1024, "tokens_per_block": 8, "enable_block_reuse": True})
+        if broken:
+            mt.break_draft_reuse(llm)
+        kv, ids = llm._bundle.kv, list(range(3, 40))
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
 
-    def first_page_contexts():
-        while llm._executor.scheduler.has_work or kv.seqs:
-            time.sleep(0.005)
-        page = kv.pool.lookup(chain_hash(None, ids[:8], kv.cache_salt), ids[:8])
-        return kv.pools["draft"][:, page].abs().amax().item(), kv.pools["target"][:, page].abs().amax().item()
+        def first_page():
+            while llm._executor.scheduler.has_work or kv.seqs:
+                time.sleep(0.005)
+            page = kv.pool.lookup(chain_hash(None, ids[:8], kv.cache_salt), ids[:8])
+            return kv.pools["draft"][:, page].clone(), kv.pools["target"][:, page].clone()
 
-    llm.generate(ids, params)
-    assert min(first_page_contexts()) > 0                 # no hit yet: nothing zeroed
-    out = llm.generate(ids + [41, 42, 43], params)
-    assert out.metrics["num_cached_prompt_tokens"] == 32
-    draft, target = first_page_contexts()
-    assert draft == 0 and target > 0
+        llm.generate(ids, params)
+        draft0, target0 = first_page()
+        out = llm.generate(ids + [41, 42, 43], params)
+        assert out.metrics["num_cached_prompt_tokens"] == 32
+        draft1, target1 = first_page()
+        assert torch.equal(target1, target0)                  # the target KV is never touched
+        assert torch.equal(draft1, draft0) != broken          # only the broken arm overwrites the prefix
+        outs[broken] = out.outputs[0].token_ids
+    assert outs[True] == outs[False]                          # lossless either way
