@@ -17,7 +17,7 @@ PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the ocean.",
     "Explain in two sentences why the sky is blue.",
-    "Give me three tips for learning to cook.",
+    "Name three fruits that are usually red.",
 ]
 
 
