@@ -116,7 +116,7 @@ class PyExecutor:
                                            start, 1 if finishes else 0))
             kinds.append("ctx")
         for req in batch.generation_requests:
-            toks = [req.all_token_ids[req.num_computed]] + list(req.draft_tokens)
+            toks = [req.token_at(req.num_computed)] + list(req.draft_tokens)
             self.kv.ensure_capacity(req.request_id, req.num_computed + len(toks) + self._draft_room(True))
             segments.append(ForwardSegment(req.request_id, toks, req.num_computed, len(toks)))
             kinds.append("gen")
@@ -147,7 +147,8 @@ class PyExecutor:
                     self._append(req, new)
                     # a stop inside an accepted run drops the tokens after it
                     req.num_computed = min(req.num_computed, req.num_tokens)
-                if self.spec is None:   # with a drafter, draft_step commits once the draft KV exists
+                # with a drafter, draft_step commits once the draft KV exists
+                if self.spec is None and self.kv.wants_commit(req.request_id, req.num_computed):
                     self.kv.commit(req.request_id, req.all_token_ids, req.num_computed)
             except Exception as e:
                 req.error = f"{type(e).__name__}: {e}"

@@ -194,6 +194,11 @@ class KVCacheManager:
         rows = [self.seqs[r].pages + [BAD_PAGE_INDEX] * (width - len(self.seqs[r].pages)) for r in req_ids]
         return torch.tensor(rows, dtype=torch.int32).reshape(len(rows), width).to(device or self.device)
 
+    def wants_commit(self, req_id: int, num_committed: int) -> bool:
+        """Cheap check: could `commit` publish a new block now? (lets callers skip building tokens)"""
+        seq = self.seqs[req_id]
+        return self.pool.enable_reuse and (seq.num_hashed_blocks + 1) * self.tokens_per_block <= num_committed
+
     def commit(self, req_id: int, token_ids: Sequence[int], num_committed: int) -> None:
         """Publish full blocks whose tokens are committed (verified and in the target KV).
 

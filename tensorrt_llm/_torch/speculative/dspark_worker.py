@@ -124,7 +124,8 @@ class DSparkWorker:
         for req, _, start, n in committed:
             owned = kv.owned_tokens(req.request_id)
             kv.mark_draft_written(req.request_id, min(start + n, owned))
-            kv.commit(req.request_id, req.all_token_ids, req.num_computed)
+            if kv.wants_commit(req.request_id, req.num_computed):
+                kv.commit(req.request_id, req.all_token_ids, req.num_computed)
         gen = [req for req, *_ in committed
                if req.state == RequestState.GENERATION and not req.is_finished]
         if gen:
@@ -150,7 +151,7 @@ class DSparkWorker:
         ids, pos, starts = [], [], []
         for req in reqs:
             ctx = req.num_computed
-            ids.extend([req.all_token_ids[ctx]] + [self.mask_token_id] * (s - 1))
+            ids.extend([req.token_at(ctx)] + [self.mask_token_id] * (s - 1))
             pos.extend(range(ctx, ctx + s))
             starts.append(ctx)
         rids = [r.request_id for r in reqs]
