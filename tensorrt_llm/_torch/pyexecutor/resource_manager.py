@@ -78,12 +78,12 @@ class KVCacheManager:
     def available_pages(self) -> int:
         return self.pool.num_free - self._reserved_unallocated
 
-    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
+    def match_prefix(self, token_ids: Sequence[int], count: bool = True) -> list[int]:
         """Cached pages covering a prefix of `token_ids` (full blocks, never the whole prompt).
 
         With a draft pool, matching stops at the first block whose draft context is missing
         (counted as a draft recompute): the target recomputes it so the drafter never drafts
-        over a gap.
+        over a gap. `count=False` leaves the statistics alone (admission checks).
         """
         if not self.pool.enable_reuse:
             return []
@@ -92,12 +92,12 @@ class KVCacheManager:
         for i in range(n_full):
             blk_tokens = token_ids[i * p:(i + 1) * p]
             h = chain_hash(parent, blk_tokens, self.cache_salt)
-            self.pool.stats.lookups_blocks += 1
+            self.pool.stats.lookups_blocks += count
             bid = self.pool.lookup(h, blk_tokens)
             if bid is None:
                 break
             if self.has_draft_pool and not self.pool.blocks[bid].draft_valid:
-                self.pool.stats.draft_recompute_blocks += 1
+                self.pool.stats.draft_recompute_blocks += count
                 break
             out.append(bid)
             parent = h
@@ -110,10 +110,7 @@ class KVCacheManager:
         return need <= self.available_pages()
 
     def match_prefix_peek(self, token_ids: Sequence[int]) -> list[int]:
-        saved = (self.pool.stats.lookups_blocks, self.pool.stats.draft_recompute_blocks)
-        hits = self.match_prefix(token_ids)
-        self.pool.stats.lookups_blocks, self.pool.stats.draft_recompute_blocks = saved
-        return hits
+        return self.match_prefix(token_ids, count=False)
 
     def add_sequence(self, req_id: int, token_ids: Sequence[int], reserve_tokens: int) -> int:
         """Register a request, reusing cached prefix pages. Returns the number of cached tokens."""
