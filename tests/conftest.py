@@ -133,6 +133,32 @@ def tiny_qwen2_dir(tmp_path_factory) -> Path:
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2", seed=1)
 
 
+@pytest.fixture(scope="session")
+def llama64_dir(tiny_llama_dir, tmp_path_factory):
+    """Tiny random Llama: 2 layers, hidden 256, 4 heads x 64, 2 KV heads, vocab 512 (bf16-friendly)."""
+    import shutil
+
+    import transformers
+
+    folder = tmp_path_factory.mktemp("llama64")
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                   vocab_size=512, max_position_embeddings=512, tie_word_embeddings=True,
+                                   rms_norm_eps=1e-5, rope_theta=1000.0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).float().eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():       # larger-than-init weights: peaky logits, non-trivial norms
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.2 * noise if "norm" in name else
+                    noise if "embed_tokens" in name else noise * p.shape[-1] ** -0.5)
+    model.save_pretrained(folder, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(tiny_llama_dir / f, folder / f)
+    return folder
+
+
 @pytest.fixture
 def tiny_checkpoint_copy(tiny_llama_dir, tmp_path) -> Path:
     """A private copy of the tiny Llama that a test may break."""

@@ -141,7 +141,7 @@ class FlashInferAttention(AttentionBackend):
     (BatchPrefillWithPagedKVCacheWrapper, HND) and absorbed MLA (BatchMLAPagedAttentionWrapper).
 
     fp8 KV is not supported (declared fp8_kv=False); sliding windows are not supported.
-    MLA runs eagerly only (the drafter is never graphed).
+    Both GQA and MLA plans have CUDA-graph variants (fixed-address metadata buffers).
     """
 
     name = "FLASHINFER"
@@ -206,13 +206,20 @@ class FlashInferAttention(AttentionBackend):
                 qo_indptr_buf=torch.zeros(bsz + 1, **i32), paged_kv_indptr_buf=torch.zeros(bsz + 1, **i32),
                 paged_kv_indices_buf=torch.zeros(bsz * max_pages, **i32),
                 paged_kv_last_page_len_buf=torch.zeros(bsz, **i32))
-        if key.graph_shape is not None:
-            raise ValueError("FLASHINFER runs MLA eagerly only (no CUDA-graph MLA plans)")
         mla_kernel = self.mla_kernel
         if mla_kernel is None:
             mla_kernel = "fa3" if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9 \
                 else "auto"
-        return importlib.import_module("flashinfer.mla").BatchMLAPagedAttentionWrapper(ws, backend=mla_kernel)
+        wrapper_cls = importlib.import_module("flashinfer.mla").BatchMLAPagedAttentionWrapper
+        if key.graph_shape is None:
+            return wrapper_cls(ws, backend=mla_kernel)
+        # Graph plans copy their CSR metadata into these fixed-address buffers (re-planned
+        # before every replay; fa2/fa3 keep their integer workspace across re-plans).
+        bsz, _, max_pages = key.graph_shape
+        i32 = dict(dtype=torch.int32, device=device)
+        return wrapper_cls(ws, use_cuda_graph=True, qo_indptr=torch.zeros(bsz + 1, **i32),
+                           kv_indptr=torch.zeros(bsz + 1, **i32), kv_indices=torch.zeros(bsz * max_pages, **i32),
+                           kv_len_arr=torch.zeros(bsz, **i32), backend=mla_kernel)
 
     def _plan(self, slot: _PlanSlot, key: PlanKey, pages: StepPages) -> None:
         # The wrapper stages its schedule in pinned memory and uploads it asynchronously:

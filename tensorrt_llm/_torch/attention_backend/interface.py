@@ -113,14 +113,17 @@ class AttentionBackend(ABC):
         raise ValueError(f"attention backend {self.name} does not support MLA")
 
 
-def write_slots(cache_plane: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_slots(cache_plane: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor,
+                all_valid: bool = False) -> None:
     """Scatter new tokens into pages.
 
     cache_plane: [num_pages, H, P, D]; values: [T, H, D]; slot_mapping: [T] (-1 skipped).
+    all_valid: the caller guarantees every slot >= 0 (no host sync; safe inside CUDA graphs).
     """
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        values, slot_mapping = values[keep], slot_mapping[keep]
+    if not all_valid:
+        keep = slot_mapping >= 0
+        if not bool(keep.all()):
+            values, slot_mapping = values[keep], slot_mapping[keep]
     if slot_mapping.numel() == 0:
         return
     p = cache_plane.shape[2]

@@ -133,17 +133,19 @@ class DSparkForCausalLMBase(nn.Module, ABC):
         return self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
 
     def write_context(self, features: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                      kv_caches: Sequence[torch.Tensor], backend: AttentionBackend) -> None:
+                      kv_caches: Sequence[torch.Tensor], backend: AttentionBackend,
+                      slots_valid: bool = False) -> None:
         """Write every layer's context K/V (or latent) for committed tokens into the draft pool.
 
         features [N, H]; positions [N] absolute; slot_mapping [N] int64 (-1 skipped);
         kv_caches: one [num_pages, planes, heads, P, D] tensor per layer. The pool layout
         is the interface's, shared by every backend, so `backend` is not consulted.
+        slots_valid: every slot is >= 0 (no host sync: the CUDA-graph draft step).
         """
         self._check_caches(kv_caches)
         for layer, cache in zip(self.layers, kv_caches):
             for plane, values in enumerate(self._context_planes(layer.self_attn, features, positions)):
-                write_slots(cache[:, plane], values, slot_mapping)
+                write_slots(cache[:, plane], values, slot_mapping, all_valid=slots_valid)
 
     def forward_block(self, block_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
                       kv_caches: Sequence[torch.Tensor], backend: AttentionBackend) -> torch.Tensor:

@@ -100,6 +100,8 @@ def create_py_executor(args: TorchLlmArgs, tokenizer: TokenizerWrapper) -> Execu
     sampler = Sampler(args.seed, device)
     if spec_worker is not None:
         spec_worker.bind(kv, sampler)
+        if args.use_cuda_graph:
+            spec_worker.enable_cuda_graphs(args.max_batch_size)
     executor = PyExecutor(engine, sched, sampler, kv, tokenizer.decode, spec_worker)
     report = kv.report()
     report.update({

@@ -28,14 +28,18 @@ from ..pyexecutor.llm_request import LlmRequest, RequestState
 from ..pyexecutor.model_engine import build_metadata
 from ..pyexecutor.sampler import Sampler, processed_probs
 from .accept_stats import AcceptStats
-from .verification import greedy_accept, greedy_accept_ids, rejection_accept
+from .spec_sampling import RejectionSamplerName, resolve_rejection_sampler, run_rejection_accept
+from .verification import greedy_accept, greedy_accept_ids
 
 logger = logging.getLogger("tensorrt_llm")
 
 
 class DSparkWorker:
     def __init__(self, cfg: DSparkDecodingConfig, drafter: torch.nn.Module, backend, resolution,
-                 device: torch.device, dtype: torch.dtype, identity: str):
+                 device: torch.device, dtype: torch.dtype, identity: str, *,
+                 rejection_sampler: Optional[RejectionSamplerName] = None):
+        """rejection_sampler: "torch" / "flashinfer" for T>0 verification; None picks flashinfer
+        on CUDA when it imports, else torch (see `spec_sampling.resolve_rejection_sampler`)."""
         dc = drafter.config
         if cfg.max_draft_len is not None and cfg.max_draft_len > dc.num_drafts:
             raise ValueError(f"max_draft_len {cfg.max_draft_len} exceeds the drafter's trained "
@@ -46,6 +50,8 @@ class DSparkWorker:
         self.resolution = resolution
         self.device = device
         self.identity = identity
+        self.rejection = resolve_rejection_sampler(device, rejection_sampler)
+        logger.info("DSpark rejection sampling: %s (%s)", self.rejection.name, self.rejection.reason)
         self.block_size = dc.block_size
         self.max_draft_len = cfg.max_draft_len or dc.num_drafts
         self.mask_token_id = dc.mask_token_id
@@ -57,16 +63,27 @@ class DSparkWorker:
         self.kv = None
         self.sampler: Optional[Sampler] = None
         self.kv_caches: list[torch.Tensor] = []
+        self.graph_runner = None
 
     def bind(self, kv, sampler: Sampler) -> None:
         self.kv, self.sampler = kv, sampler
         self.kv_caches = kv.layer_caches("draft")
+
+    def enable_cuda_graphs(self, max_batch_size: int) -> None:
+        """Capture the draft step of generation-only greedy steps per batch bucket (after `bind`)."""
+        from .draft_graph_runner import DraftGraphRunner
+        if self.kv is None:
+            raise ValueError("bind() the worker to its KV manager before enabling CUDA graphs")
+        self.graph_runner = DraftGraphRunner(self.drafter, self.kv, self.backend, self.kv_caches, self.device,
+                                             max_batch_size, verify_tokens=1 + self.max_draft_len,
+                                             num_drafts=self.max_draft_len)
 
     def describe(self) -> dict:
         dc = self.drafter.config
         return {"architecture": dc.architecture, "block_size": dc.block_size,
                 "max_draft_len": self.max_draft_len, "target_layer_ids": list(dc.target_layer_ids),
                 "kv_bytes_per_token": self.kv_cache_spec.bytes_per_token,
+                "rejection_sampler": {"name": self.rejection.name, "reason": self.rejection.reason},
                 "attention_backend": {"name": self.resolution.name, "reason": self.resolution.reason}}
 
     # ---- verification ------------------------------------------------------------------
@@ -83,7 +100,7 @@ class DSparkWorker:
             tp = processed_probs(rows, p)
             gen = self.sampler.generator(req.request_id, p)
             if self.cfg.use_rejection_sampling and req.draft_probs is not None:
-                out = rejection_accept(drafts, req.draft_probs, tp, gen)
+                out = run_rejection_accept(self.rejection.name, drafts, req.draft_probs, tp, gen)
             else:  # sample the target at each position; accept while it equals the draft
                 out = []
                 for i in range(len(drafts) + 1):
@@ -108,6 +125,20 @@ class DSparkWorker:
         """
         if captured is None or not committed:
             return
+        if self.graph_runner is not None:
+            drafts = self.graph_runner.run(committed, captured)
+            if drafts is not None:
+                self._after_context_write(committed, kv)
+                for (req, *_), ids in zip(committed, drafts):
+                    if req.state == RequestState.GENERATION and not req.is_finished:
+                        remaining = req.sampling_params.max_tokens - len(req.output_token_ids)
+                        req.draft_tokens, req.draft_probs = ids[:max(0, remaining)], None
+                return
+        self.eager_draft_step(committed, captured, kv)
+
+    def eager_draft_step(self, committed: Sequence[tuple[LlmRequest, int, int, int]],
+                         captured: torch.Tensor, kv) -> None:
+        """`draft_step` without CUDA graphs: any mix of context chunks, clamps and sampling."""
         rows, pos, slots = [], [], []
         for req, row0, start, n in committed:
             s = kv.slots(req.request_id, start, n)
@@ -121,15 +152,20 @@ class DSparkWorker:
         self.drafter.write_context(feats, torch.tensor(pos, device=self.device),
                                    torch.tensor(slots, dtype=torch.long, device=self.device),
                                    self.kv_caches, self.backend)
+        self._after_context_write(committed, kv)
+        gen = [req for req, *_ in committed
+               if req.state == RequestState.GENERATION and not req.is_finished]
+        if gen:
+            self._draft(gen, kv)
+
+    @staticmethod
+    def _after_context_write(committed: Sequence[tuple[LlmRequest, int, int, int]], kv) -> None:
+        """Mark the committed positions' draft KV written; publish blocks that became complete."""
         for req, _, start, n in committed:
             owned = kv.owned_tokens(req.request_id)
             kv.mark_draft_written(req.request_id, min(start + n, owned))
             if kv.wants_commit(req.request_id, req.num_computed):
                 kv.commit(req.request_id, req.all_token_ids, req.num_computed)
-        gen = [req for req, *_ in committed
-               if req.state == RequestState.GENERATION and not req.is_finished]
-        if gen:
-            self._draft(gen, kv)
 
     def _draft(self, reqs: list[LlmRequest], kv) -> None:
         groups: dict[int, list[LlmRequest]] = defaultdict(list)
@@ -201,6 +237,10 @@ class DSparkWorker:
     def stats(self) -> dict:
         d = self.stats_.as_dict()
         d["attention_backend"] = self.resolution.name
+        g = self.graph_runner
+        if g is not None:
+            d["draft_cuda_graph"] = {"captures": g.num_captures, "replays": g.num_replays,
+                                     "eager_steps": g.num_eager_fallbacks}
         return d
 
     def write_stats(self, folder: Path, rank: int = 0) -> Path:

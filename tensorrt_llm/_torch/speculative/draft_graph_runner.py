@@ -1,0 +1,207 @@
+"""CUDA graphs for the DSpark draft step of generation-only steps (context write + block + drafts).
+
+After a verify step of B requests with q = K+1 tokens each (the target graph's shape), one
+captured graph per batch bucket runs the whole draft step::
+
+    captured rows [bucket*q, n*H] -> fc + norm -> draft context of all q rows at start..start+q-1
+    block [anchor, MASK x (S-1)] at ctx'..ctx'+S-1 (ctx' = start + accepted), non-causal
+    greedy Markov chain over the block's slots -> draft ids [bucket, k_max]
+
+All q verified rows are written, also the rejected ones: their positions lie in
+ctx'..ctx'+S-1 (q <= S + 1 and at least one token is accepted), so the block overwrites them
+in the same replay and every later step rewrites them before they are read; only committed
+positions are ever marked written or published. Padding requests write into a scratch page
+the runner holds. Persistent inputs live in `_DraftEntry`; the block's metadata is an
+`AttentionMetadata` with persistent slot_mapping / block_tables that the backend plans
+outside the graph (`prepare` with CUDA_GRAPH_SHAPE_KEY) before each replay.
+
+Eligible: every request greedy (or already finished), every segment exactly q rows in order,
+every slot (context and block) owned, batch within a bucket. Anything else runs eagerly.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from ..attention_backend.flashinfer_backend import CUDA_GRAPH_SHAPE_KEY
+from ..attention_backend.interface import BAD_PAGE_INDEX, AttentionMetadata
+from ..pyexecutor.cuda_graph_runner import batch_buckets, pack_graph_inputs
+from ..pyexecutor.llm_request import LlmRequest, RequestState
+
+logger = logging.getLogger("tensorrt_llm")
+
+
+@dataclass
+class DraftPlan:
+    """Host-side inputs of one eligible draft step (B real requests)."""
+
+    bucket: int
+    ctx_slots: list[list[int]]        # [B][q]
+    blk_slots: list[list[int]]        # [B][S]
+    new_ctx: list[int]                # [B] ctx' = start + accepted
+    anchors: list[int]                # [B] block token 0
+
+
+@dataclass
+class _DraftEntry:
+    """Persistent device inputs/outputs and the graph of one batch bucket."""
+
+    bucket: int
+    captured: torch.Tensor            # [bucket*q, n*H] target dtype
+    ctx_pos: torch.Tensor             # [bucket*q] int64
+    ctx_slots: torch.Tensor           # [bucket*q] int64, all >= 0
+    blk_ids: torch.Tensor             # [bucket*S] int64
+    blk_pos: torch.Tensor             # [bucket*S] int64
+    anchors: torch.Tensor             # [bucket] int64
+    md: AttentionMetadata             # non-causal block metadata, persistent tables
+    graph: Optional[torch.cuda.CUDAGraph] = None
+    draft_ids: Optional[torch.Tensor] = None   # [bucket, k_max] int64 (graph output)
+    replays: int = field(default=0)
+
+
+class DraftGraphRunner:
+    """Captures and replays the drafter's whole step per batch bucket (greedy drafting)."""
+
+    def __init__(self, drafter: torch.nn.Module, kv, backend, kv_caches: Sequence[torch.Tensor],
+                 device: torch.device, max_batch_size: int, verify_tokens: int, num_drafts: int,
+                 buckets: Optional[Sequence[int]] = None):
+        cfg = drafter.config
+        if device.type != "cuda":
+            raise ValueError(f"use_cuda_graph needs a CUDA device, got {device}")
+        if not backend.capabilities.cuda_graphs:
+            raise ValueError(f"use_cuda_graph: the drafter's attention backend {backend.name} does not "
+                             "support CUDA graphs (choose FLASHINFER or use_cuda_graph=False)")
+        page = kv.tokens_per_block
+        if max(verify_tokens, cfg.block_size) > page:
+            raise ValueError(f"use_cuda_graph: {max(verify_tokens, cfg.block_size)} draft tokens per request "
+                             f"exceed one page ({page} tokens), which padding requests must fit in")
+        if verify_tokens > cfg.block_size + 1:
+            raise ValueError(f"verify_tokens {verify_tokens} > block_size + 1 ({cfg.block_size + 1})")
+        self.drafter, self.kv, self.backend = drafter, kv, backend
+        self.kv_caches = list(kv_caches)
+        self.device = device
+        self.q = verify_tokens
+        self.block_size = cfg.block_size
+        self.k_max = num_drafts
+        self.mask_token_id = cfg.mask_token_id
+        self.buckets = sorted(buckets) if buckets else batch_buckets(max_batch_size)
+        self.scratch_page = kv.pool.allocate()
+        self._entries: dict[int, _DraftEntry] = {}
+        self._pool = None
+        self.num_captures = 0
+        self.num_replays = 0
+        self.num_eager_fallbacks = 0
+
+    # ---- eligibility ---------------------------------------------------------------------
+    def plan(self, committed: Sequence[tuple[LlmRequest, int, int, int]],
+             captured: torch.Tensor) -> Optional[DraftPlan]:
+        """A `DraftPlan` when this step's draft work can replay a graph, else None."""
+        q, s = self.q, self.block_size
+        b = len(committed)
+        bucket = next((x for x in self.buckets if x >= b), None)
+        if bucket is None or b == 0 or captured.shape[0] != b * q:
+            return None
+        ctx_slots, blk_slots, new_ctx, anchors = [], [], [], []
+        for i, (req, row0, start, n) in enumerate(committed):
+            if row0 != i * q or not 1 <= n <= q or req.state != RequestState.GENERATION:
+                return None
+            live = not req.is_finished
+            if live and not req.sampling_params.greedy:
+                return None
+            cs = self.kv.slots(req.request_id, start, q)
+            bs = self.kv.slots(req.request_id, start + n, s)
+            if min(cs) < 0 or min(bs) < 0:
+                return None
+            ctx_slots.append(cs)
+            blk_slots.append(bs)
+            new_ctx.append(start + n)
+            anchors.append(req.token_at(start + n) if live and start + n < req.num_tokens
+                           else self.mask_token_id)
+        return DraftPlan(bucket, ctx_slots, blk_slots, new_ctx, anchors)
+
+    # ---- run -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, committed: Sequence[tuple[LlmRequest, int, int, int]],
+            captured: torch.Tensor) -> Optional[list[list[int]]]:
+        """Draft ids [B][k_max] for an eligible step (context written, block run), else None."""
+        plan = self.plan(committed, captured)
+        if plan is None:
+            self.num_eager_fallbacks += 1
+            return None
+        entry = self._entries.get(plan.bucket)
+        if entry is None:
+            entry = self._new_entry(plan.bucket, captured.shape[1], captured.dtype)
+            self._entries[plan.bucket] = entry
+        self._load_inputs(entry, committed, captured, plan)
+        if entry.graph is None:
+            self._capture(entry)
+        entry.graph.replay()
+        entry.replays += 1
+        self.num_replays += 1
+        return entry.draft_ids[:len(committed)].tolist()
+
+    def _new_entry(self, bucket: int, width: int, dtype: torch.dtype) -> _DraftEntry:
+        q, s, dev = self.q, self.block_size, self.device
+        i64 = dict(dtype=torch.long, device=dev)
+        md = AttentionMetadata(
+            seq_lens=[s] * bucket, num_cached=[0] * bucket,
+            block_tables=torch.full((bucket, self.kv.max_blocks_per_seq), BAD_PAGE_INDEX,
+                                    dtype=torch.int32, device=dev),
+            slot_mapping=torch.zeros(bucket * s, **i64), tokens_per_block=self.kv.tokens_per_block,
+            causal=False)
+        return _DraftEntry(bucket, torch.zeros(bucket * q, width, dtype=dtype, device=dev),
+                           torch.zeros(bucket * q, **i64), torch.zeros(bucket * q, **i64),
+                           torch.zeros(bucket * s, **i64), torch.zeros(bucket * s, **i64),
+                           torch.zeros(bucket, **i64), md)
+
+    def _load_inputs(self, entry: _DraftEntry, committed, captured: torch.Tensor, plan: DraftPlan) -> None:
+        q, s, b = self.q, self.block_size, len(committed)
+        p, width, scratch = self.kv.tokens_per_block, self.kv.max_blocks_per_seq, self.scratch_page
+        rids = [req.request_id for req, *_ in committed]
+        tables = self.kv.block_tables(rids, torch.device("cpu"))
+        ctx = pack_graph_inputs([[0] * q] * b, [start for _, _, start, _ in committed], plan.ctx_slots,
+                                tables, entry.bucket, q, width, scratch, p)
+        blk = pack_graph_inputs([[a] + [self.mask_token_id] * (s - 1) for a in plan.anchors], plan.new_ctx,
+                                plan.blk_slots, tables, entry.bucket, s, width, scratch, p)
+        entry.captured[:b * q].copy_(captured)
+        entry.ctx_pos.copy_(ctx.positions)
+        entry.ctx_slots.copy_(ctx.slot_mapping)
+        entry.blk_ids.copy_(blk.input_ids)
+        entry.blk_pos.copy_(blk.positions)
+        entry.anchors.copy_(blk.input_ids.view(entry.bucket, s)[:, 0])
+        md = entry.md
+        md.slot_mapping.copy_(blk.slot_mapping)
+        md.block_tables.copy_(blk.block_tables)
+        md.num_cached = blk.num_cached
+        md.extras = {CUDA_GRAPH_SHAPE_KEY: (entry.bucket, s, width)}
+        self.backend.prepare(md)
+
+    def _forward(self, entry: _DraftEntry) -> torch.Tensor:
+        d = self.drafter
+        feats = d.context_features(entry.captured)
+        d.write_context(feats, entry.ctx_pos, entry.ctx_slots, self.kv_caches, self.backend, slots_valid=True)
+        hidden = d.forward_block(entry.blk_ids, entry.blk_pos, entry.md, self.kv_caches, self.backend)
+        ids, _ = d.propose(hidden, entry.anchors, self.k_max)
+        return ids
+
+    def _capture(self, entry: _DraftEntry) -> None:
+        # Warm-up on a side stream: lazy state, and the backend plans its fixed-address
+        # wrappers for this shape, so nothing is planned inside the capture.
+        cur = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            self._forward(entry)
+        cur.wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            entry.draft_ids = self._forward(entry)
+        entry.graph = graph
+        self.num_captures += 1
+        logger.info("captured draft CUDA graph for batch bucket %d (%d verify rows, block %d)",
+                    entry.bucket, self.q, self.block_size)

@@ -1,0 +1,99 @@
+"""CUDA-graph draft step (context write + block + greedy drafts) vs the eager draft step.
+
+GPU: a tiny Llama with head_dim 64 and random GQA (2 KV heads x 64) / MLA (512 + 64 latent)
+drafters at block 8 (9 verify rows per request), through the LLM API with FLASHINFER + use_cuda_graph. Every graph
+replay is shadowed by the eager draft step on the same inputs: the draft ids must agree (bf16:
+>= 97% of ids), while another request's eager drafts must not (negative control, < 50%),
+and greedy output must equal the no-spec graph engine's, token for token.
+CPU: the eager path is what CPU runs; enabling graphs without CUDA raises.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tensorrt_llm import LLM, SamplingParams
+from tensorrt_llm._torch.models.checkpoint import read_config
+from tensorrt_llm._torch.models.modeling_dspark import DSparkForCausalLMBase
+from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
+from tensorrt_llm._torch.speculative.draft_graph_runner import DraftGraphRunner
+from tensorrt_llm._torch.speculative.dspark_worker import DSparkWorker
+
+PROMPTS = ["the quick brown fox", "hello world, what is the capital of france?", "once upon a time",
+           "a paged kv cache holds keys and values", "0123456789", "paris is"]
+
+
+def gpu(test):
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
+
+
+def _drafter(tmp_path_factory, target_dir, kind: str):
+    tc = LlamaConfig.from_dict(read_config(target_dir), "target")
+    arch = (dict(num_key_value_heads=2, head_dim=64) if kind == "gqa" else
+            dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64))
+    d = DSparkForCausalLMBase.random_init(kind, tc, seed=5, markov_rank=4, block_size=8, **arch)
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():   # target-like scale, so drafts depend on the context (not only MASK)
+        for name, p in d.named_parameters():
+            if p.dim() == 2 and not name.startswith("markov_head"):
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+    out = tmp_path_factory.mktemp(f"graph_drafter_{kind}")
+    d.save_pretrained(out)
+    return out
+
+
+def _llm(target, **kw):
+    return LLM(str(target), device="cuda", attn_backend="FLASHINFER", max_batch_size=8,
+               kv_cache_config={"max_tokens": 8192, "tokens_per_block": 16}, **kw)
+
+
+def test_draft_graphs_need_cuda(tiny_llama_dir, tmp_path_factory, make_llm):
+    drafter = _drafter(tmp_path_factory, tiny_llama_dir, "mla")
+    with pytest.raises(ValueError, match="CUDA"):
+        make_llm(tiny_llama_dir, use_cuda_graph=True,
+                 speculative_config={"decoding_type": "DSpark", "speculative_model": str(drafter)})
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_draft_graph_matches_eager_and_is_lossless(llama64_dir, tmp_path_factory, monkeypatch, kind):
+    pytest.importorskip("flashinfer")
+    drafter = _drafter(tmp_path_factory, llama64_dir, kind)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    with _llm(llama64_dir, use_cuda_graph=True) as llm:
+        baseline = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+
+    seen = {"same": 0, "total": 0, "other_same": 0, "other_total": 0, "replays": 0}
+    orig_run = DraftGraphRunner.run
+
+    def shadowed(self, committed, captured):
+        ids = orig_run(self, committed, captured)
+        if ids is None:
+            return None
+        seen["replays"] += 1
+        live = [req for req, *_ in committed if not req.is_finished]
+        self.shadow_worker.eager_draft_step(committed, captured, self.kv)   # same KV, eagerly
+        eager = {req.request_id: list(req.draft_tokens) for req in live}
+        graph = {req.request_id: g for (req, *_), g in zip(committed, ids)}
+        rids = sorted(eager)
+        for i, rid in enumerate(rids):
+            e, other = eager[rid], eager[rids[(i + 1) % len(rids)]]
+            seen["total"] += len(e)
+            seen["same"] += sum(a == b for a, b in zip(graph[rid], e))
+            if len(rids) > 1:      # negative control: another request's eager drafts
+                seen["other_total"] += min(len(e), len(other))
+                seen["other_same"] += sum(a == b for a, b in zip(graph[rid], other))
+        return ids
+
+    monkeypatch.setattr(DraftGraphRunner, "run", shadowed)
+    spec = {"decoding_type": "DSpark", "speculative_model": str(drafter)}
+    with _llm(llama64_dir, use_cuda_graph=True, speculative_config=spec) as llm:
+        worker: DSparkWorker = llm._executor.spec
+        worker.graph_runner.shadow_worker = worker
+        toks = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        runner = worker.graph_runner
+        assert runner.num_captures >= 1 and runner.num_replays == seen["replays"] > 0
+    assert toks == baseline
+    assert seen["total"] > 100
+    assert seen["same"] / seen["total"] >= 0.97, seen
+    assert seen["other_total"] > 100 and seen["other_same"] / seen["other_total"] < 0.5, seen
