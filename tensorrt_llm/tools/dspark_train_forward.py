@@ -191,7 +191,8 @@ def block_loss(drafter, hidden: torch.Tensor, labels: torch.Tensor, prev_ids: to
                gamma: float) -> tuple[torch.Tensor, dict[str, float]]:
     """Position-decayed cross-entropy over valid slots.
 
-    hidden [S, A, B, H]; labels, prev_ids [S, A, B]. Returns (scalar loss, stats) with
+    hidden [S, A, B, H]; labels, prev_ids [S, A, B]. Returns (scalar loss, stats: 0-d tensors
+    "ce" and "acc") with
     loss = sum_w(CE) / sum(w) over valid slots, w = exp(-slot / gamma). Only valid rows reach
     the (vocab-wide) lm_head, so padding costs no logits.
     """
@@ -206,7 +207,7 @@ def block_loss(drafter, hidden: torch.Tensor, labels: torch.Tensor, prev_ids: to
     loss = (wv * ce).sum() / wv.sum()
     with torch.no_grad():
         acc = (logits.argmax(-1) == labels[valid]).float().mean()
-        return loss, {"ce": float(ce.mean()), "acc": float(acc), "tokens": int(valid.sum())}
+        return loss, {"ce": ce.mean(), "acc": acc}     # 0-d tensors: the caller syncs once
 
 
 def expected_accept_length(pred: torch.Tensor, labels: torch.Tensor, anchor_valid: torch.Tensor,

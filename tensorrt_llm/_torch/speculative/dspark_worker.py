@@ -126,7 +126,11 @@ class DSparkWorker:
         if captured is None or not committed:
             return
         if self.graph_runner is not None:
-            drafts = self.graph_runner.run(committed, captured)
+            try:
+                drafts = self.graph_runner.run(committed, captured)
+            except RuntimeError as e:   # a capture the runtime refuses: serve eagerly from now on
+                logger.error("draft CUDA graph failed (%s); drafting eagerly from now on", e)
+                self.graph_runner, drafts = None, None
             if drafts is not None:
                 self._after_context_write(committed, kv)
                 for (req, *_), ids in zip(committed, drafts):

@@ -17,7 +17,7 @@ from tensorrt_llm._torch.models.modeling_dspark import DSparkForCausalLMBase, lo
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
 from tensorrt_llm.tools.dspark_train_forward import (IGNORE_INDEX, block_inputs, block_labels, block_logits,
                                                      build_block_mask, expected_accept_length, train_forward)
-from tensorrt_llm.tools.train_dspark import DSparkTrainConfig, main, regenerate, train
+from tensorrt_llm.tools.train_dspark import DSparkTrainConfig, load_data, main, regenerate, train
 
 VOCAB, SPECIALS = 512, ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<mask>"]
 MASK_ID = 3
@@ -302,6 +302,34 @@ def test_cli_yaml_overrides_and_stages(tiny_target, tmp_path):
         DSparkTrainConfig.from_yaml(path, {"train.stepz": 3})
     with pytest.raises(ValueError, match="other settings"):   # a finished cache never silently mismatches
         regenerate(DSparkTrainConfig.from_yaml(path, {"data.max_new_tokens": 8}))
+
+
+def test_sharded_regeneration_from_gzip_prompts(tiny_target, tmp_path):
+    """Shards i::n (separate `--stage data --shard i` runs) together equal the unsharded data."""
+    import gzip
+    import yaml
+    whole = tiny_config(tiny_target, tmp_path / "whole" / "x", "gqa")
+    ref = regenerate(whole)
+    gz = tmp_path / "prompts.json.gz"
+    gz.write_bytes(gzip.compress((tiny_target / "prompts.json").read_bytes()))
+    cfg = tiny_config(tiny_target, tmp_path / "sh" / "x", "gqa", steps=2, eval_every=1)
+    cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"prompts_file": str(gz), "num_shards": 2})})
+    path = tmp_path / "sh.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(exclude_none=True)))
+    assert main(["--config", str(path), "--stage", "data", "--shard", "1"]) == 0
+    with pytest.raises(SystemExit, match="shard 0 has not finished"):
+        main(["--config", str(path), "--stage", "train"])
+    assert main(["--config", str(path), "--stage", "data", "--shard", "0"]) == 0
+    rows = load_data(cfg)
+    by_prompt = {tuple(r["prompt_ids"]): r["output_ids"] for r in ref}
+    assert len(rows) == len(ref) == 12
+    assert [tuple(r["prompt_ids"]) for r in rows] == [tuple(r["prompt_ids"]) for r in ref[0::2] + ref[1::2]]
+    assert all(by_prompt[tuple(r["prompt_ids"])] == r["output_ids"] for r in rows)
+    assert main(["--config", str(path), "--stage", "train"]) == 0
+    with pytest.raises(SystemExit):
+        main(["--config", str(path), "--stage", "train", "--shard", "0"])
+    with pytest.raises(ValueError, match="outside"):
+        regenerate(cfg, 2)
 
 
 def test_shipped_configs_fit_budget():
