@@ -7,6 +7,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
+from .detokenizer import IncrementalDetokenizer
+
 
 @dataclass
 class CompletionOutput:
@@ -41,6 +43,8 @@ class GenerationResult:
         self._include_stop = include_stop_str
         self._done = threading.Event()
         self._stream: Optional[queue.Queue] = queue.Queue() if streaming else None
+        # streamed snapshots are detokenized incrementally; the final text is one full decode
+        self._detok: Optional[IncrementalDetokenizer] = IncrementalDetokenizer(decode) if streaming else None
 
     @property
     def request_id(self) -> int:
@@ -48,13 +52,18 @@ class GenerationResult:
 
     # called from the executor thread
     def _update(self, req, new_tokens: list[int]) -> None:
-        c = self._out.outputs[0]
-        streaming = self._stream is not None and (new_tokens or req.is_finished)
-        if not (streaming or req.is_finished):
+        finished = req.is_finished
+        if self._stream is None and not finished:
             return      # detokenize only when someone can see it (hot path of every step)
-        c.token_ids = list(req.output_token_ids)
-        c.text = self._text(c.token_ids, req.finish_reason == "stop")
-        if req.is_finished:
+        streaming = self._stream is not None and (new_tokens or finished)
+        if not (streaming or finished):
+            return
+        c = self._out.outputs[0]
+        c.token_ids = list(req.output_token_ids)    # a new list each time: snapshots may share it
+        if not finished:
+            c.text = self._detok.update(c.token_ids)
+        else:
+            c.text = self._text(c.token_ids, req.finish_reason == "stop")
             c.finish_reason = "error" if req.error else req.finish_reason
             c.error = req.error
             self._out.finished = True
@@ -69,7 +78,7 @@ class GenerationResult:
             m["acceptance_length"] = req.acceptance_length
         if streaming:
             self._stream.put(self._snapshot())
-        if req.is_finished:
+        if finished:
             self._done.set()
 
     def _text(self, ids: list[int], stopped: bool) -> str:
@@ -83,7 +92,7 @@ class GenerationResult:
     def _snapshot(self) -> RequestOutput:
         c = self._out.outputs[0]
         return RequestOutput(self._out.request_id, self._out.prompt, self._out.prompt_token_ids,
-                             [CompletionOutput(0, c.text, list(c.token_ids), c.finish_reason, c.error)],
+                             [CompletionOutput(0, c.text, c.token_ids, c.finish_reason, c.error)],
                              self._out.finished, dict(self._out.metrics))
 
     def result(self, timeout: Optional[float] = None) -> RequestOutput:

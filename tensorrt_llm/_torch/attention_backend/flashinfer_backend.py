@@ -31,6 +31,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from .interface import (AttentionBackend, AttentionMetadata, BackendCapabilities,
@@ -71,35 +72,40 @@ class StepPages:
 
 
 def build_step_pages(md: AttentionMetadata) -> StepPages:
-    """Host-side CSR page metadata for `md` (no device sync; one gather on the device)."""
+    """Host-side CSR page metadata for `md` (no device sync; one gather on the device).
+
+    Computed with numpy on the host lists (a handful of array ops whatever the batch size);
+    only the page-id gather out of md.block_tables runs where the table lives.
+    """
     p = md.tokens_per_block
     b = md.num_seqs
     if b == 0:
         raise ValueError("attention metadata has no requests")
-    kv_lens = torch.tensor(md.kv_lens, dtype=torch.int32)
-    seq = torch.tensor(md.seq_lens, dtype=torch.int32)
-    if bool((seq < 1).any()):
+    seq = np.asarray(md.seq_lens, dtype=np.int32)
+    kv_lens = np.asarray(md.num_cached, dtype=np.int32) + seq
+    if (seq < 1).any():
         raise ValueError(f"every request needs >= 1 new token, got seq_lens {md.seq_lens}")
-    n_pages = (kv_lens + p - 1) // p
+    n_pages = (kv_lens + (p - 1)) // p
     width = md.block_tables.shape[1]
     if int(n_pages.max()) > width:
         raise ValueError(f"block table width {width} < {int(n_pages.max())} pages needed for "
                          f"kv_lens {md.kv_lens} at {p} tokens per page")
-    qo_indptr = torch.zeros(b + 1, dtype=torch.int32)
-    qo_indptr[1:] = torch.cumsum(seq, 0)
-    kv_indptr = torch.zeros(b + 1, dtype=torch.int32)
-    kv_indptr[1:] = torch.cumsum(n_pages, 0)
-    counts = n_pages.long()
-    rows = torch.repeat_interleave(torch.arange(b), counts)
-    cols = torch.arange(int(kv_indptr[-1])) - torch.repeat_interleave(kv_indptr[:-1].long(), counts)
-    flat = (rows * width + cols).to(md.block_tables.device, non_blocking=True)
-    kv_indices = md.block_tables.reshape(-1)[flat].to(torch.int32).contiguous()
-    last = (kv_lens - (n_pages - 1) * p).to(torch.int32)
+    qo_indptr = np.zeros(b + 1, dtype=np.int32)
+    seq.cumsum(out=qo_indptr[1:])
+    kv_indptr = np.zeros(b + 1, dtype=np.int32)
+    n_pages.cumsum(out=kv_indptr[1:])
+    # flat index of page j of request r in the [B, width] table: r * width + j
+    row_base = np.arange(b, dtype=np.int64) * width - kv_indptr[:-1]
+    flat = np.arange(int(kv_indptr[-1]), dtype=np.int64) + row_base.repeat(n_pages)
+    flat_t = torch.from_numpy(flat).to(md.block_tables.device, non_blocking=True)
+    kv_indices = md.block_tables.reshape(-1)[flat_t].to(torch.int32).contiguous()
+    last = kv_lens - (n_pages - 1) * p
     shape = md.extras.get(CUDA_GRAPH_SHAPE_KEY)
     # Graph steps own every slot (the runner checks); otherwise look once per step, so the
     # layers' writes need no per-layer host sync.
     valid = shape is not None or not bool((md.slot_mapping < 0).any())
-    return StepPages(qo_indptr, kv_indptr, kv_indices, last, kv_lens, p,
+    return StepPages(torch.from_numpy(qo_indptr), torch.from_numpy(kv_indptr), kv_indices,
+                     torch.from_numpy(last), torch.from_numpy(kv_lens), p,
                      tuple(shape) if shape is not None else None, valid)
 
 

@@ -14,13 +14,23 @@ A step copies its inputs into them, lets the backend plan outside the graph
 (`backend.prepare(md)` with md.extras[CUDA_GRAPH_SHAPE_KEY]) and replays. The first
 step of a (bucket, q) runs once eagerly (warm-up: lazy state, and the backend plans its
 fixed-address wrappers), is captured, then replayed. Anything else runs eagerly.
+
+Host cost per step is kept to a few numpy gathers and one copy: all four inputs are views
+of one device buffer, staged in one pinned host buffer of the same layout and copied with
+one blocking copy (one copy call instead of four; blocking, so the staging buffer is free
+again when it returns and the stream is idle at that point of a step anyway)::
+
+    io: [ input_ids (n) | positions (n) | slot_mapping (n) | block_tables (bucket x max_pages int32) ]
+        int64 words, n = bucket * q; the table's int32 rows are packed two per word
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
+import numpy as np
 import torch
 
 from ..attention_backend.flashinfer_backend import CUDA_GRAPH_SHAPE_KEY
@@ -54,21 +64,60 @@ def pack_graph_inputs(token_ids: Sequence[Sequence[int]], starts: Sequence[int],
                       q: int, max_pages: int, scratch_page: int, page_size: int) -> GraphInputs:
     """Pad B real segments (q tokens each) to `bucket` requests.
 
-    block_tables: [B, w] int32 CPU (w <= max_pages). Padding requests attend over their own
-    q tokens at positions 0..q-1 in `scratch_page`; their outputs are discarded.
+    token_ids, slots: [B][q] (lists or an array); block_tables: [B, w] int32 CPU (w <= max_pages).
+    Padding requests attend over their own q tokens at positions 0..q-1 in `scratch_page`;
+    their outputs are discarded.
     """
     b = len(token_ids)
     if not 0 < b <= bucket or q > page_size:
         raise ValueError(f"cannot pad {b} requests of {q} tokens to bucket {bucket} (page {page_size})")
-    pad = bucket - b
-    ids = [t for seg in token_ids for t in seg] + [0] * (pad * q)
-    pos = [s + i for s in starts for i in range(q)] + list(range(q)) * pad
-    slot = [x for seg in slots for x in seg] + [scratch_page * page_size + i for i in range(q)] * pad
+    n, used = bucket * q, b * q
+    ids = np.zeros(n, dtype=np.int64)
+    pos = np.empty(n, dtype=np.int64)
+    slot = np.empty(n, dtype=np.int64)
+    ids[:used] = _flat(token_ids, used, "token_ids")
+    slot[:used] = _flat(slots, used, "slots")
+    _fill_padded(pos, slot, np.asarray(starts, dtype=np.int64), b, bucket, q, scratch_page, page_size)
     bt = torch.full((bucket, max_pages), BAD_PAGE_INDEX, dtype=torch.int32)
     bt[:b, :block_tables.shape[1]] = block_tables
     bt[b:, 0] = scratch_page
-    return GraphInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
-                       torch.tensor(slot, dtype=torch.long), bt, list(starts) + [0] * pad)
+    return GraphInputs(torch.from_numpy(ids), torch.from_numpy(pos), torch.from_numpy(slot), bt,
+                       list(starts) + [0] * (bucket - b))
+
+
+def _flat(rows: Sequence[Sequence[int]] | np.ndarray, count: int, what: str) -> np.ndarray:
+    """[B][q] -> [B*q] int64, ValueError unless there are exactly `count` values."""
+    if isinstance(rows, np.ndarray):
+        out = rows.reshape(-1)
+    else:
+        out = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64)
+    if out.shape[0] != count:
+        raise ValueError(f"{what}: {out.shape[0]} values for {count} rows (every segment needs q tokens)")
+    return out
+
+
+def _fill_padded(pos: np.ndarray, slot: np.ndarray, starts: np.ndarray, b: int, bucket: int, q: int,
+                 scratch_page: int, page_size: int) -> None:
+    """positions of B real segments (starts[b] + 0..q-1) and the padding rows' positions / slots."""
+    used = b * q
+    if q == 1:
+        pos[:used] = starts
+    else:
+        pos[:used].reshape(b, q)[:] = starts.reshape(-1, 1) + np.arange(q, dtype=np.int64)
+    if b < bucket:
+        ar = np.arange(q, dtype=np.int64)
+        pos[used:].reshape(bucket - b, q)[:] = ar
+        slot[used:].reshape(bucket - b, q)[:] = scratch_page * page_size + ar
+
+
+class StepPlan(NamedTuple):
+    """A graphable step: its bucket, tokens per request, and host-side addressing."""
+
+    bucket: int
+    q: int
+    slots: np.ndarray       # [B, q] int64, every slot >= 0
+    rows: np.ndarray        # [B] int64 rows of kv.page_table
+    starts: np.ndarray      # [B] int64 first position of each segment
 
 
 @dataclass
@@ -77,13 +126,24 @@ class _GraphEntry:
 
     bucket: int
     q: int
-    input_ids: torch.Tensor                     # [bucket * q] int64, device
-    positions: torch.Tensor                     # [bucket * q] int64, device
-    md: AttentionMetadata                       # slot_mapping / block_tables persistent
+    input_ids: torch.Tensor                     # [bucket * q] int64, device (view of io)
+    positions: torch.Tensor                     # [bucket * q] int64, device (view of io)
+    md: AttentionMetadata                       # slot_mapping / block_tables: views of io
+    io: torch.Tensor                            # [words] int64 device buffer (layout: module doc)
+    host: torch.Tensor                          # [words] int64 CPU staging, pinned on CUDA
+    host_views: tuple[np.ndarray, ...]          # numpy views of host: ids, positions, slots, table
     graph: Optional[torch.cuda.CUDAGraph] = None
     logits: Optional[torch.Tensor] = None       # [bucket * q, V] float32 (graph output)
     captured: Optional[torch.Tensor] = None     # [bucket * q, n*H] (graph output) or None
     replays: int = field(default=0)
+
+
+def _io_views(buf: torch.Tensor, bucket: int, q: int, max_pages: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, positions, slot_mapping [bucket*q] int64, block_tables [bucket, max_pages] int32)."""
+    n = bucket * q
+    table = buf[3 * n:].view(torch.int32)[:bucket * max_pages].view(bucket, max_pages)
+    return buf[:n], buf[n:2 * n], buf[2 * n:3 * n], table
 
 
 class CUDAGraphRunner:
@@ -123,8 +183,8 @@ class CUDAGraphRunner:
                 return b
         return None
 
-    def plan_step(self, segments) -> Optional[tuple[int, int, list[list[int]]]]:
-        """(bucket, q, slots per segment) when the step can replay a graph, else None."""
+    def plan_step(self, segments) -> Optional[StepPlan]:
+        """A `StepPlan` (bucket, q, slots [B, q], ...) when the step can replay a graph, else None."""
         if not segments:
             return None
         q = len(segments[0].token_ids)
@@ -133,10 +193,13 @@ class CUDAGraphRunner:
         bucket = self._bucket(len(segments))
         if bucket is None:
             return None
-        slots = [self.kv.slots(s.request_id, s.start, q) for s in segments]
-        if any(x < 0 for seg in slots for x in seg):
+        rids = [s.request_id for s in segments]
+        rows = self.kv.rows(rids)
+        starts = np.fromiter((s.start for s in segments), dtype=np.int64, count=len(segments))
+        slots = self.kv.slots_batch(rids, starts, q, rows=rows)
+        if (slots < 0).any():
             return None          # a write beyond owned pages: eager handles (skips) it
-        return bucket, q, slots
+        return StepPlan(bucket, q, slots, rows, starts)
 
     # ---- run -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -149,12 +212,12 @@ class CUDAGraphRunner:
         if plan is None:
             self.num_eager_fallbacks += 1
             return None
-        bucket, q, slots = plan
+        bucket, q = plan.bucket, plan.q
         entry = self._entries.get((bucket, q))
         if entry is None:
             entry = self._new_entry(bucket, q)
             self._entries[(bucket, q)] = entry
-        self._load_inputs(entry, segments, slots)
+        self._load_inputs(entry, segments, plan)
         if entry.graph is None:
             self._capture(entry)
         entry.graph.replay()
@@ -165,28 +228,34 @@ class CUDAGraphRunner:
         return entry.logits[:n].clone(), cap
 
     def _new_entry(self, bucket: int, q: int) -> _GraphEntry:
-        n, dev = bucket * q, self.device
-        md = AttentionMetadata(
-            seq_lens=[q] * bucket, num_cached=[0] * bucket,
-            block_tables=torch.full((bucket, self.kv.max_blocks_per_seq), BAD_PAGE_INDEX,
-                                    dtype=torch.int32, device=dev),
-            slot_mapping=torch.zeros(n, dtype=torch.long, device=dev),
-            tokens_per_block=self.kv.tokens_per_block, causal=True)
-        return _GraphEntry(bucket, q, torch.zeros(n, dtype=torch.long, device=dev),
-                           torch.zeros(n, dtype=torch.long, device=dev), md)
+        dev, max_pages = self.device, self.kv.max_blocks_per_seq
+        words = 3 * bucket * q + -(-bucket * max_pages // 2)
+        io = torch.zeros(words, dtype=torch.long, device=dev)
+        host = torch.zeros(words, dtype=torch.long, pin_memory=dev.type == "cuda")
+        ids, pos, slots, table = _io_views(io, bucket, q, max_pages)
+        table.fill_(BAD_PAGE_INDEX)
+        md = AttentionMetadata(seq_lens=[q] * bucket, num_cached=[0] * bucket, block_tables=table,
+                               slot_mapping=slots, tokens_per_block=self.kv.tokens_per_block, causal=True)
+        views = tuple(t.numpy() for t in _io_views(host, bucket, q, max_pages))
+        return _GraphEntry(bucket, q, ids, pos, md, io, host, views)
 
-    def _load_inputs(self, entry: _GraphEntry, segments, slots: list[list[int]]) -> None:
-        rids = [s.request_id for s in segments]
-        host = pack_graph_inputs([s.token_ids for s in segments], [s.start for s in segments], slots,
-                                 self.kv.block_tables(rids, torch.device("cpu")), entry.bucket, entry.q,
-                                 self.kv.max_blocks_per_seq, self.scratch_page, self.kv.tokens_per_block)
-        entry.input_ids.copy_(host.input_ids)
-        entry.positions.copy_(host.positions)
+    def _load_inputs(self, entry: _GraphEntry, segments, plan: StepPlan) -> None:
+        """Stage the step's padded inputs in entry.host, copy them to entry.io in one copy, prepare."""
+        b, q, bucket = len(segments), entry.q, entry.bucket
+        p, max_pages = self.kv.tokens_per_block, self.kv.max_blocks_per_seq
+        ids, pos, slot, table = entry.host_views
+        ids[:b * q] = _flat([s.token_ids for s in segments], b * q, "token_ids")
+        slot[:b * q] = plan.slots.reshape(-1)
+        _fill_padded(pos, slot, plan.starts, b, bucket, q, self.scratch_page, p)
+        np.take(self.kv.page_table, plan.rows, axis=0, out=table[:b])
+        if b < bucket:
+            ids[b * q:] = 0
+            table[b:] = BAD_PAGE_INDEX
+            table[b:, 0] = self.scratch_page
+        entry.io.copy_(entry.host)
         md = entry.md
-        md.slot_mapping.copy_(host.slot_mapping)
-        md.block_tables.copy_(host.block_tables)
-        md.num_cached = host.num_cached
-        md.extras = {CUDA_GRAPH_SHAPE_KEY: (entry.bucket, entry.q, self.kv.max_blocks_per_seq)}
+        md.num_cached = plan.starts.tolist() + [0] * (bucket - b)
+        md.extras = {CUDA_GRAPH_SHAPE_KEY: (bucket, q, max_pages)}
         self.backend.prepare(md)
 
     def _forward(self, entry: _GraphEntry) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

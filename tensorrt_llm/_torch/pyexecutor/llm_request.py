@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Optional
 
 from ...sampling_params import SamplingParams
@@ -49,6 +50,13 @@ class LlmRequest:
         if not self.num_verify_steps:
             return None
         return 1.0 + self.num_accepted_drafts / self.num_verify_steps
+
+    @cached_property
+    def stop_token_set(self) -> frozenset[int]:
+        """Ids that end the request when sampled: end_ids (unless ignore_eos) + stop_token_ids.
+        Cached: sampling_params is frozen and end_ids is set at construction."""
+        p = self.sampling_params
+        return (frozenset() if p.ignore_eos else self.end_ids) | frozenset(p.stop_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -16,10 +16,10 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .llm_request import LlmRequest, RequestState
-from .model_engine import ForwardSegment, ModelEngine
+from .model_engine import ForwardOutput, ForwardSegment, ModelEngine
 from .resource_manager import KVCacheManager
 from .sampler import Sampler
-from .scheduler import Scheduler
+from .scheduler import ScheduledBatch, Scheduler
 
 logger = logging.getLogger("tensorrt_llm")
 
@@ -107,60 +107,80 @@ class PyExecutor:
                 self._notify(req, [])
             return
         self.iterations += 1
-        segments, kinds = [], []
-        for req, n in zip(batch.context_requests, batch.context_chunks):
-            start = req.num_computed
-            finishes = start + n >= req.prompt_len
-            self.kv.ensure_capacity(req.request_id, start + n + self._draft_room(finishes))
-            segments.append(ForwardSegment(req.request_id, req.prompt_token_ids[start:start + n],
-                                           start, 1 if finishes else 0))
-            kinds.append("ctx")
-        for req in batch.generation_requests:
-            toks = [req.token_at(req.num_computed)] + list(req.draft_tokens)
-            self.kv.ensure_capacity(req.request_id, req.num_computed + len(toks) + self._draft_room(True))
-            segments.append(ForwardSegment(req.request_id, toks, req.num_computed, len(toks)))
-            kinds.append("gen")
+        reqs, segments = self._build_segments(batch)
         out = self.engine.forward(segments)
-        by_id = {r.request_id: r for r in batch.context_requests + batch.generation_requests}
-        # One device->host sync for every greedy choice of the step (not one per request).
-        greedy_ids = out.logits.argmax(-1).tolist() if out.logits.shape[0] else []
-        committed: list[tuple[LlmRequest, int, int, int]] = []  # (req, row0, start, n) for the drafter
-        for i, (seg, kind) in enumerate(zip(segments, kinds)):
-            req = by_id[seg.request_id]
-            lo = out.logits_offsets[i]
-            try:
-                if kind == "ctx":
-                    req.num_computed += len(seg.token_ids)
-                    committed.append((req, out.token_offsets[i], seg.start, len(seg.token_ids)))
-                    if seg.num_logits:
-                        tok = self._sample_one(out.logits, greedy_ids, lo, req)
-                        req.state = RequestState.GENERATION
-                        if req.first_token_time is None:
-                            req.first_token_time = time.perf_counter()
-                        self._append(req, [tok])
-                else:
-                    n = seg.num_logits
-                    new = (self.spec.accept(req, out.logits[lo:lo + n], greedy_ids[lo:lo + n])
-                           if self.spec else [self._sample_one(out.logits, greedy_ids, lo, req)])
-                    req.num_computed += len(new)
-                    committed.append((req, out.token_offsets[i], seg.start, len(new)))
-                    self._append(req, new)
-                    # a stop inside an accepted run drops the tokens after it
-                    req.num_computed = min(req.num_computed, req.num_tokens)
-                # with a drafter, draft_step commits once the draft KV exists
-                if self.spec is None and self.kv.wants_commit(req.request_id, req.num_computed):
-                    self.kv.commit(req.request_id, req.all_token_ids, req.num_computed)
-            except Exception as e:
-                req.error = f"{type(e).__name__}: {e}"
-                logger.error("request %d failed: %s", req.request_id, req.error)
-                req.finish("error")
-                self._notify(req, [])
+        committed = self._update_requests(reqs, segments, len(batch.context_requests), out)
         if self.spec is not None:
             self.spec.draft_step(committed, out.captured, self.kv)
         for req in self.scheduler.remove_finished():
             self.sampler.release(req.request_id)
             if self.spec is not None:
                 self.spec.release(req)
+
+    def _build_segments(self, batch: ScheduledBatch) -> tuple[list[LlmRequest], list[ForwardSegment]]:
+        """Requests of the step (prompt chunks first) and their forward segments; owns their pages."""
+        segments: list[ForwardSegment] = []
+        ensure = self.kv.ensure_capacity
+        for req, n in zip(batch.context_requests, batch.context_chunks):
+            start = req.num_computed
+            finishes = start + n >= req.prompt_len
+            ensure(req.request_id, start + n + self._draft_room(finishes))
+            segments.append(ForwardSegment(req.request_id, req.prompt_token_ids[start:start + n],
+                                           start, 1 if finishes else 0))
+        room = self._draft_room(True)
+        for req in batch.generation_requests:
+            start = req.num_computed
+            toks = [req.token_at(start)]
+            if req.draft_tokens:
+                toks.extend(req.draft_tokens)
+            ensure(req.request_id, start + len(toks) + room)
+            segments.append(ForwardSegment(req.request_id, toks, start, len(toks)))
+        return batch.context_requests + batch.generation_requests, segments
+
+    def _update_requests(self, reqs: list[LlmRequest], segments: list[ForwardSegment], num_ctx: int,
+                         out: ForwardOutput) -> list[tuple[LlmRequest, int, int, int]]:
+        """Sample / verify, append, stop, notify and publish blocks; returns what the drafter
+        needs, (req, row0, start, n) per request (empty without a drafter)."""
+        # One device->host sync for every greedy choice of the step (not one per request).
+        greedy_ids = out.logits.argmax(-1).tolist() if out.logits.shape[0] else []
+        committed: list[tuple[LlmRequest, int, int, int]] = []
+        spec, kv = self.spec, self.kv
+        publish = spec is None and kv.pool.enable_reuse   # with a drafter, draft_step commits
+        for i, (req, seg) in enumerate(zip(reqs, segments)):
+            lo = out.logits_offsets[i]
+            try:
+                if i < num_ctx:
+                    req.num_computed += len(seg.token_ids)
+                    if spec is not None:
+                        committed.append((req, out.token_offsets[i], seg.start, len(seg.token_ids)))
+                    if seg.num_logits:
+                        tok = self._sample_one(out.logits, greedy_ids, lo, req)
+                        req.state = RequestState.GENERATION
+                        if req.first_token_time is None:
+                            req.first_token_time = time.perf_counter()
+                        self._append(req, [tok])
+                elif spec is None:
+                    req.num_computed += 1
+                    self._append(req, [greedy_ids[lo] if req.sampling_params.greedy
+                                       else self.sampler.sample_row(out.logits[lo], req.request_id,
+                                                                    req.sampling_params)])
+                else:
+                    n = seg.num_logits
+                    new = spec.accept(req, out.logits[lo:lo + n], greedy_ids[lo:lo + n])
+                    req.num_computed += len(new)
+                    committed.append((req, out.token_offsets[i], seg.start, len(new)))
+                    self._append(req, new)
+                if i >= num_ctx and req.state is RequestState.FINISHED:
+                    # a stop drops the token(s) after it (only a finished request drops any)
+                    req.num_computed = min(req.num_computed, req.num_tokens)
+                if publish and kv.wants_commit(req.request_id, req.num_computed):
+                    kv.commit(req.request_id, req.all_token_ids, req.num_computed)
+            except Exception as e:
+                req.error = f"{type(e).__name__}: {e}"
+                logger.error("request %d failed: %s", req.request_id, req.error)
+                req.finish("error")
+                self._notify(req, [])
+        return committed
 
     def _sample_one(self, logits: torch.Tensor, greedy_ids: list[int], row: int, req: LlmRequest) -> int:
         if req.sampling_params.greedy:
@@ -173,17 +193,18 @@ class PyExecutor:
     def _append(self, req: LlmRequest, tokens: list[int]) -> None:
         """Append newly committed tokens, applying stop criteria in order."""
         p = req.sampling_params
+        stop_ids, out = req.stop_token_set, req.output_token_ids
         emitted: list[int] = []
         for tok in tokens:
-            if (not p.ignore_eos and tok in req.end_ids) or tok in p.stop_token_ids:
+            if tok in stop_ids:
                 req.finish("stop")
                 break
-            req.output_token_ids.append(tok)
+            out.append(tok)
             emitted.append(tok)
-            if len(req.output_token_ids) >= p.max_tokens:
+            if len(out) >= p.max_tokens:
                 req.finish("length")
                 break
-            if p.stop_strings and self._hit_stop_string(req):
+            if p.stop and self._hit_stop_string(req):     # p.stop set <=> stop_strings non-empty
                 req.finish("stop")
                 break
             if req.context_only:

@@ -10,6 +10,10 @@ request's block table is valid for both. Per request the manager holds its page 
 
 Scheduling reserves pages up front (never admit what cannot finish), so allocation
 during a step never fails; pages are materialised lazily as tokens arrive.
+
+Each live request also owns one row of a persistent host page table (numpy int32, the
+same pages followed by BAD_PAGE_INDEX), kept in step with its page list, so a step's
+block tables and slots are a few vectorised gathers instead of per-token Python.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from ..attention_backend.interface import BAD_PAGE_INDEX
@@ -28,7 +33,8 @@ logger = logging.getLogger("tensorrt_llm")
 
 @dataclass
 class SequenceBlocks:
-    pages: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)   # owned by KVCacheManager (mirrored in its table)
+    row: int = -1                                     # this request's row of the host page table
     reserved_pages: int = 0
     num_hashed_blocks: int = 0
     last_hash: Optional[int] = None
@@ -57,6 +63,11 @@ class KVCacheManager:
                                 dtype=s.dtype, device=device) for s in specs}
         self.seqs: dict[int, SequenceBlocks] = {}
         self._reserved_unallocated = 0
+        # [rows, max_blocks_per_seq] int32: row r = pages of the request holding r, then
+        # BAD_PAGE_INDEX; grows by doubling. _num_pages[r] = pages owned by that request.
+        self._table = np.full((8, self.max_blocks_per_seq), BAD_PAGE_INDEX, dtype=np.int32)
+        self._num_pages = np.zeros(8, dtype=np.int64)
+        self._free_rows = list(range(7, -1, -1))
 
     # ---- pools -------------------------------------------------------------------------
     def layer_caches(self, name: str) -> list[torch.Tensor]:
@@ -128,7 +139,10 @@ class KVCacheManager:
         if self.has_draft_pool:   # match_prefix only returns blocks whose draft context exists
             st.draft_hit_blocks += len(hits)
             st.draft_reused_tokens += cached
-        seq = SequenceBlocks(pages=list(hits), reserved_pages=max(self.pages_for(reserve_tokens), len(hits)))
+        seq = SequenceBlocks(pages=list(hits), reserved_pages=max(self.pages_for(reserve_tokens), len(hits)),
+                             row=self._take_row())
+        self._table[seq.row, :len(hits)] = hits
+        self._num_pages[seq.row] = len(hits)
         seq.num_hashed_blocks = len(hits)
         if hits:
             seq.last_hash = self.pool.blocks[hits[-1]].block_hash
@@ -137,14 +151,28 @@ class KVCacheManager:
         self.seqs[req_id] = seq
         return cached
 
+    def _take_row(self) -> int:
+        if not self._free_rows:
+            n = self._table.shape[0]
+            self._table = np.concatenate([self._table, np.full_like(self._table, BAD_PAGE_INDEX)])
+            self._num_pages = np.concatenate([self._num_pages, np.zeros_like(self._num_pages)])
+            self._free_rows = list(range(2 * n - 1, n - 1, -1))
+        return self._free_rows.pop()
+
     # ---- per-step ----------------------------------------------------------------------
     def ensure_capacity(self, req_id: int, num_tokens: int) -> int:
         """Own pages for positions < num_tokens, within the reservation. Returns tokens owned."""
         seq = self.seqs[req_id]
+        have = len(seq.pages)
+        if num_tokens <= have * self.tokens_per_block:   # hot path: nothing to allocate
+            return have * self.tokens_per_block
         want = min(self.pages_for(num_tokens), seq.reserved_pages, self.max_blocks_per_seq)
         while len(seq.pages) < want:
-            seq.pages.append(self.pool.allocate())
+            bid = self.pool.allocate()
+            self._table[seq.row, len(seq.pages)] = bid
+            seq.pages.append(bid)
             self._reserved_unallocated -= 1
+        self._num_pages[seq.row] = len(seq.pages)
         return len(seq.pages) * self.tokens_per_block
 
     def owned_tokens(self, req_id: int) -> int:
@@ -177,7 +205,10 @@ class KVCacheManager:
             self.pools[name][:, idx] = t.to(self.pools[name].dtype)
 
     def slots(self, req_id: int, start: int, count: int) -> list[int]:
-        """Flat slots for positions start..start+count-1; -1 beyond the pages the request owns."""
+        """Flat slots for positions start..start+count-1; -1 beyond the pages the request owns.
+
+        The per-token reference of `slots_batch` (kept for callers with one request).
+        """
         pages, p = self.seqs[req_id].pages, self.tokens_per_block
         out = []
         for pos in range(start, start + count):
@@ -185,11 +216,40 @@ class KVCacheManager:
             out.append(pages[bi] * p + pos % p if 0 <= bi < len(pages) else -1)
         return out
 
+    # ---- vectorised views of the host page table ----------------------------------------
+    @property
+    def page_table(self) -> np.ndarray:
+        """[rows, max_blocks_per_seq] int32 host table; index it with `rows(...)`. Read-only by contract."""
+        return self._table
+
+    def rows(self, req_ids: Sequence[int]) -> np.ndarray:
+        """[B] int64 rows of `page_table` holding these requests' pages."""
+        seqs = self.seqs
+        return np.fromiter((seqs[r].row for r in req_ids), dtype=np.int64, count=len(req_ids))
+
+    def slots_batch(self, req_ids: Sequence[int], starts: Sequence[int] | np.ndarray, count: int,
+                    rows: Optional[np.ndarray] = None) -> np.ndarray:
+        """[B, count] int64 flat slots of positions starts[b]..starts[b]+count-1 of each request;
+        -1 beyond the pages it owns (same values as `slots`, one request per row)."""
+        if rows is None:
+            rows = self.rows(req_ids)
+        p, width = self.tokens_per_block, self._table.shape[1]
+        pos = np.asarray(starts, dtype=np.int64).reshape(-1, 1)
+        if count != 1:
+            pos = pos + np.arange(count, dtype=np.int64)
+        bi = pos // p
+        col = np.minimum(np.maximum(bi, 0), width - 1)      # == bi iff the block is inside the table
+        pages = self._table[rows.reshape(-1, 1), col]
+        slots = pages * p + pos % p
+        slots[(pages < 0) | (bi != col)] = -1
+        return slots
+
     def block_tables(self, req_ids: Sequence[int], device: Optional[torch.device] = None) -> torch.Tensor:
-        """[B, max_blocks] int32; unallocated entries hold BAD_PAGE_INDEX."""
-        width = max([len(self.seqs[r].pages) for r in req_ids] + [1])
-        rows = [self.seqs[r].pages + [BAD_PAGE_INDEX] * (width - len(self.seqs[r].pages)) for r in req_ids]
-        return torch.tensor(rows, dtype=torch.int32).reshape(len(rows), width).to(device or self.device)
+        """[B, max_blocks] int32 (max_blocks = most pages any of them owns, >= 1);
+        unallocated entries hold BAD_PAGE_INDEX."""
+        rows = self.rows(req_ids)
+        width = max(int(self._num_pages[rows].max()), 1) if len(rows) else 1
+        return torch.from_numpy(self._table[rows, :width]).to(device or self.device)
 
     def wants_commit(self, req_id: int, num_committed: int) -> bool:
         """Cheap check: could `commit` publish a new block now? (lets callers skip building tokens)"""
@@ -231,6 +291,9 @@ class KVCacheManager:
         self._reserved_unallocated -= seq.reserved_pages - len(seq.pages)
         for bid in reversed(seq.pages):   # tail first, so eviction takes tails before heads
             self.pool.release(bid)
+        self._table[seq.row] = BAD_PAGE_INDEX
+        self._num_pages[seq.row] = 0
+        self._free_rows.append(seq.row)
 
     # ---- reporting ---------------------------------------------------------------------
     def report(self) -> dict:

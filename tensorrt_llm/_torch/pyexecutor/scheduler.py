@@ -65,10 +65,14 @@ class Scheduler:
         self._admit()
         batch = ScheduledBatch()
         budget = self.max_num_tokens
-        for req in self.running:
-            if req.state == RequestState.GENERATION and budget >= self.tokens_per_gen_step:
-                batch.generation_requests.append(req)
-                budget -= self.tokens_per_gen_step
+        gen = RequestState.GENERATION
+        gens = [r for r in self.running if r.state is gen]
+        # each generation request costs tokens_per_gen_step; the first that fit, in order
+        take = min(len(gens), budget // self.tokens_per_gen_step)
+        batch.generation_requests = gens if take == len(gens) else gens[:take]
+        budget -= take * self.tokens_per_gen_step
+        if len(gens) == len(self.running):
+            return batch                       # no prompt in flight (steady decoding)
         for req in self.running:
             if req.state != RequestState.CONTEXT or budget <= 0:
                 continue
@@ -83,9 +87,10 @@ class Scheduler:
         return batch
 
     def remove_finished(self) -> list[LlmRequest]:
-        done = [r for r in self.running if r.is_finished]
+        fin = RequestState.FINISHED
+        done = [r for r in self.running if r.state is fin]
         if done:
-            self.running = [r for r in self.running if not r.is_finished]
+            self.running = [r for r in self.running if r.state is not fin]
             for r in done:
                 self.kv.free(r.request_id)
         return done

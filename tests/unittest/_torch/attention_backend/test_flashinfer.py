@@ -157,6 +157,52 @@ def test_step_pages_csr_metadata():
         build_step_pages(short)
 
 
+def _ref_step_pages(md: AttentionMetadata) -> tuple[list[int], ...]:
+    """The straightforward per-request CSR construction (slow reference of build_step_pages)."""
+    p, qo, kvp, idx, last = md.tokens_per_block, [0], [0], [], []
+    for b, (c, n) in enumerate(zip(md.num_cached, md.seq_lens)):
+        pages = -(-(c + n) // p)
+        qo.append(qo[-1] + n)
+        kvp.append(kvp[-1] + pages)
+        idx += md.block_tables[b, :pages].tolist()
+        last.append(c + n - (pages - 1) * p)
+    return qo, kvp, idx, last, md.kv_lens
+
+
+def test_step_pages_match_reference_on_random_inputs():
+    import random
+    from tensorrt_llm._torch.attention_backend.flashinfer_backend import CUDA_GRAPH_SHAPE_KEY, build_step_pages
+    rng = random.Random(0)
+    for trial in range(200):
+        p = rng.choice([4, 16, 32])
+        b = rng.randrange(1, 20)
+        new = [rng.randrange(1, 3 * p) for _ in range(b)]
+        cached = [rng.randrange(0, 6 * p) for _ in range(b)]
+        pages = [-(-(c + n) // p) for c, n in zip(cached, new)]
+        width = max(pages) + rng.randrange(0, 4)
+        bt = torch.full((b, width), BAD_PAGE_INDEX, dtype=torch.int32)
+        for r, n in enumerate(pages):                      # owned pages, then the sentinel
+            bt[r, :n] = torch.tensor(rng.sample(range(1000), n), dtype=torch.int32)
+        slots = [rng.randrange(1000 * p) if rng.random() > 0.1 else -1 for _ in range(sum(new))]
+        graph = trial % 3 == 0
+        md = AttentionMetadata(seq_lens=new, num_cached=cached, block_tables=bt,
+                               slot_mapping=torch.tensor(slots, dtype=torch.long), tokens_per_block=p,
+                               extras={CUDA_GRAPH_SHAPE_KEY: (b, 1, width)} if graph else {})
+        got = build_step_pages(md)
+        qo, kvp, idx, last, kv_lens = _ref_step_pages(md)
+        assert BAD_PAGE_INDEX not in idx
+        for t in (got.qo_indptr, got.kv_indptr, got.kv_indices, got.last_page_len, got.kv_lens):
+            assert t.dtype == torch.int32
+        assert got.qo_indptr.tolist() == qo and got.kv_indptr.tolist() == kvp
+        assert got.kv_indices.tolist() == idx and got.last_page_len.tolist() == last
+        assert got.kv_lens.tolist() == kv_lens and got.page_size == p
+        assert got.slots_valid == (graph or -1 not in slots)
+        assert got.graph_shape == ((b, 1, width) if graph else None)
+    # negative control: the reference sees other page ids when the table changes
+    bt[0, 0] += 1
+    assert build_step_pages(md).kv_indices.tolist() != idx
+
+
 def _fake_attention(q, keys, values, causal, scale):
     """q [s, H, Dk], keys [L, Hkv, Dk], values [L, Hkv, Dv] -> [s, H, Dv] (float32 math)."""
     s, h = q.shape[:2]

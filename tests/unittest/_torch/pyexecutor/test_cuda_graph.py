@@ -55,6 +55,102 @@ def test_use_cuda_graph_without_cuda_raises(tiny_llama_dir, make_llm):
         make_llm(tiny_llama_dir, device="cpu", use_cuda_graph=True)
 
 
+def _ref_pack_graph_inputs(token_ids, starts, slots, block_tables, bucket, q, max_pages, scratch_page, page_size):
+    """The straightforward per-token construction (the slow reference of pack_graph_inputs)."""
+    b, pad = len(token_ids), bucket - len(token_ids)
+    ids = [t for seg in token_ids for t in seg] + [0] * (pad * q)
+    pos = [s + i for s in starts for i in range(q)] + list(range(q)) * pad
+    slot = [x for seg in slots for x in seg] + [scratch_page * page_size + i for i in range(q)] * pad
+    bt = [[BAD_PAGE_INDEX] * max_pages for _ in range(bucket)]
+    for r in range(b):
+        bt[r][:block_tables.shape[1]] = block_tables[r].tolist()
+    for r in range(b, bucket):
+        bt[r][0] = scratch_page
+    return ids, pos, slot, bt, list(starts) + [0] * pad
+
+
+def _random_tables(rng, b: int, width: int, num_pages: int) -> torch.Tensor:
+    """[b, width] int32: a random number of real pages per row, then BAD_PAGE_INDEX."""
+    rows = []
+    for _ in range(b):
+        n = rng.randrange(0, width + 1)
+        rows.append(rng.sample(range(num_pages), n) + [BAD_PAGE_INDEX] * (width - n))
+    return torch.tensor(rows, dtype=torch.int32).reshape(b, width)
+
+
+def test_pack_graph_inputs_matches_reference_on_random_inputs():
+    import random
+    rng = random.Random(0)
+    for _ in range(200):
+        q, page = rng.randrange(1, 5), 16
+        bucket = rng.choice([1, 2, 4, 8, 16])
+        b = rng.randrange(1, bucket + 1)
+        max_pages = rng.randrange(1, 9)
+        width = rng.randrange(1, max_pages + 1)
+        tokens = [[rng.randrange(512) for _ in range(q)] for _ in range(b)]
+        starts = [rng.randrange(0, 100) for _ in range(b)]
+        slots = [[rng.randrange(0, 64 * page) for _ in range(q)] for _ in range(b)]
+        bt = _random_tables(rng, b, width, 64)
+        args = (tokens, starts, slots, bt, bucket, q, max_pages, rng.randrange(64), page)
+        g = pack_graph_inputs(*args)
+        ids, pos, slot, table, cached = _ref_pack_graph_inputs(*args)
+        assert g.input_ids.dtype == g.positions.dtype == g.slot_mapping.dtype == torch.long
+        assert g.block_tables.dtype == torch.int32
+        assert (g.input_ids.tolist(), g.positions.tolist(), g.slot_mapping.tolist(), g.block_tables.tolist(),
+                g.num_cached) == (ids, pos, slot, table, cached)
+    # negative control: other starts give other positions
+    assert pack_graph_inputs(*((tokens, [s + 1 for s in starts]) + args[2:])).positions.tolist() != pos
+    with pytest.raises(ValueError, match="every segment needs q tokens"):
+        pack_graph_inputs([[1, 2], [3]], [0, 0], [[0, 1], [2, 3]], torch.full((2, 1), 5, dtype=torch.int32),
+                          2, 2, 4, 1, 16)
+
+
+def test_runner_host_staging_matches_reference_on_cpu():
+    """plan_step + _load_inputs (vectorised, one staging buffer) == kv.slots / kv.block_tables /
+    pack_graph_inputs, also when a smaller batch reuses a bucket's buffers."""
+    import random
+
+    from tensorrt_llm._torch.attention_backend.flashinfer_backend import PAGES_KEY, FlashInferAttention
+    from tensorrt_llm._torch.pyexecutor.cuda_graph_runner import CUDAGraphRunner
+    from tensorrt_llm._torch.pyexecutor.kv_cache_spec import KVCacheSpec
+    from tensorrt_llm._torch.pyexecutor.model_engine import ForwardSegment
+    from tensorrt_llm._torch.pyexecutor.resource_manager import KVCacheManager
+
+    rng, p = random.Random(1), 16
+    kv = KVCacheManager([KVCacheSpec("target", "gqa", 1, 2, 1, 4, torch.float32)], 400, p, 160,
+                        torch.device("cpu"))
+    # built for "cuda" (its device check); its buffers then live on the CPU
+    runner = CUDAGraphRunner(None, kv, FlashInferAttention(), [], torch.device("cuda"), 8, token_counts=(1, 3))
+    runner.device = torch.device("cpu")
+    for rid in range(12):
+        kv.add_sequence(rid, [1], 160)
+    for b, q in ((7, 1), (3, 1), (8, 3), (5, 3), (1, 1)):
+        ids = rng.sample(range(12), b)
+        starts = [rng.randrange(0, 150 - q) for _ in ids]
+        for r, s in zip(ids, starts):
+            kv.ensure_capacity(r, s + q + rng.randrange(0, 40))
+        segs = [ForwardSegment(r, [rng.randrange(512) for _ in range(q)], s, q) for r, s in zip(ids, starts)]
+        plan = runner.plan_step(segs)
+        assert plan is not None and plan.slots.tolist() == [kv.slots(r, s, q) for r, s in zip(ids, starts)]
+        entry = runner._entries.get((plan.bucket, q)) or runner._new_entry(plan.bucket, q)
+        runner._entries[(plan.bucket, q)] = entry
+        with torch.inference_mode():
+            runner._load_inputs(entry, segs, plan)
+        ref = pack_graph_inputs([s.token_ids for s in segs], starts, plan.slots.tolist(), kv.block_tables(ids),
+                                plan.bucket, q, kv.max_blocks_per_seq, runner.scratch_page, p)
+        md = entry.md
+        assert entry.input_ids.tolist() == ref.input_ids.tolist()
+        assert entry.positions.tolist() == ref.positions.tolist()
+        assert md.slot_mapping.tolist() == ref.slot_mapping.tolist()
+        assert md.block_tables.tolist() == ref.block_tables.tolist()
+        assert md.num_cached == ref.num_cached and PAGES_KEY in md.extras
+    # a write beyond the pages a request owns is not graphable (negative control)
+    kv.add_sequence(99, [1], 160)
+    kv.ensure_capacity(99, 16)
+    assert runner.plan_step([ForwardSegment(99, [5], 15, 1)]) is not None
+    assert runner.plan_step([ForwardSegment(99, [5], 16, 1)]) is None
+
+
 # ---- GPU ---------------------------------------------------------------------------------
 def make_engine(path, backend_name: str, use_graph: bool, max_batch: int = 8, tokens_per_gen: int = 3):
     from tensorrt_llm._torch.attention_backend.resolver import create_backend

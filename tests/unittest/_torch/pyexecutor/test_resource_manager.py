@@ -217,3 +217,61 @@ def test_export_import_pages_round_trip_per_request():
         assert torch.equal(dst.pools[name][:, other], before[name][:, other])   # neighbours untouched
     with pytest.raises(ValueError, match="do not match"):
         dst.import_pages(1, {"target": data["target"]})
+
+
+# ---- vectorised page-table views vs the per-request reference -----------------------------
+def _ref_block_tables(kv: KVCacheManager, req_ids) -> list[list[int]]:
+    """The straightforward per-request construction (pages padded with BAD_PAGE_INDEX)."""
+    width = max([len(kv.seqs[r].pages) for r in req_ids] + [1])
+    return [kv.seqs[r].pages + [BAD_PAGE_INDEX] * (width - len(kv.seqs[r].pages)) for r in req_ids]
+
+
+def _random_live_manager(rng, num_pages=200, max_seq_len=96) -> KVCacheManager:
+    """Requests with random page counts (0 included); some freed and their rows recycled; more
+    requests than the table's first 8 rows, so it grows."""
+    kv = manager(num_pages=num_pages, max_seq_len=max_seq_len)
+    rid = 0
+    for _ in range(3):
+        for _ in range(7):
+            want = rng.choice([0, max_seq_len, rng.randrange(1, max_seq_len)])
+            kv.add_sequence(rid, [rid] * 3, max(want, 1))
+            kv.ensure_capacity(rid, want)
+            rid += 1
+        for r in rng.sample(sorted(kv.seqs), 3):
+            kv.free(r)
+    return kv
+
+
+def test_slots_batch_and_block_tables_match_reference_on_random_state():
+    import random
+
+    import numpy as np
+    rng = random.Random(0)
+    kv = _random_live_manager(rng)
+    live = sorted(kv.seqs)
+    assert len(live) > 8 and any(not kv.seqs[r].pages for r in live)
+    assert any(len(kv.seqs[r].pages) == kv.max_blocks_per_seq for r in live)
+    saw_unowned = saw_owned = 0
+    for trial in range(200):
+        ids = rng.sample(live, rng.randrange(1, len(live) + 1))
+        count = rng.randrange(1, 2 * P + 2)
+        starts = [rng.randrange(-3, kv.max_blocks_per_seq * P + 2 * P) for _ in ids]
+        got = kv.slots_batch(ids, starts, count)
+        assert got.shape == (len(ids), count) and got.dtype == np.int64
+        ref = [kv.slots(r, s, count) for r, s in zip(ids, starts)]
+        assert got.tolist() == ref
+        saw_unowned += int((got == -1).sum())
+        saw_owned += int((got >= 0).sum())
+        bt = kv.block_tables(ids)
+        assert bt.dtype == torch.int32 and bt.tolist() == _ref_block_tables(kv, ids)
+    assert saw_unowned > 100 and saw_owned > 100        # both branches exercised
+    assert kv.block_tables([]).shape == (0, 1)
+    # freed rows hold only the sentinel; a recycled row holds exactly its new owner's pages
+    table = kv.page_table
+    used = {kv.seqs[r].row for r in live}
+    assert all((table[i] == BAD_PAGE_INDEX).all() for i in range(table.shape[0]) if i not in used)
+    # negative control: a table that disagrees with the page lists is caught
+    r = next(r for r in live if kv.seqs[r].pages)
+    table[kv.seqs[r].row, 0] += 1
+    assert kv.block_tables([r]).tolist() != _ref_block_tables(kv, [r])
+    assert kv.slots_batch([r], [0], 1).tolist() != [kv.slots(r, 0, 1)]

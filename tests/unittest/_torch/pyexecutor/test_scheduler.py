@@ -102,3 +102,43 @@ def test_tiny_pool_requests_queue_and_all_finish_correctly(tiny_llama_dir, make_
         out = h.result(timeout=0)
         assert out.outputs[0].token_ids == r and out.outputs[0].finish_reason == "length"
     assert kv.pool.num_free == kv.num_pages and kv.seqs == {}
+
+
+def _ref_schedule(running, max_num_tokens, tokens_per_gen, chunked):
+    """The straightforward two-pass micro-batch (slow reference of Scheduler.schedule)."""
+    gens, ctx, chunks, budget = [], [], [], max_num_tokens
+    for r in running:
+        if r.state == RequestState.GENERATION and budget >= tokens_per_gen:
+            gens.append(r.request_id)
+            budget -= tokens_per_gen
+    for r in running:
+        if r.state != RequestState.CONTEXT or budget <= 0:
+            continue
+        n = r.remaining_prompt()
+        if n > budget:
+            if not chunked and ctx:
+                continue
+            n = budget if chunked else n
+        ctx.append(r.request_id)
+        chunks.append(n)
+        budget -= n
+    return gens, ctx, chunks
+
+
+def test_schedule_matches_reference_on_random_running_sets():
+    import random
+    rng = random.Random(0)
+    states = [RequestState.GENERATION, RequestState.CONTEXT, RequestState.FINISHED]
+    for trial in range(300):
+        tpg = rng.choice([1, 1, 3, 5])
+        kv, s = setup(num_pages=64, max_num_tokens=rng.randrange(1, 40), chunked=trial % 2 == 0)
+        s.tokens_per_gen_step = tpg
+        for rid in range(rng.randrange(0, 12)):
+            r = req(rid, rng.randrange(1, 30))
+            r.state = rng.choice(states) if trial % 4 else RequestState.GENERATION
+            r.num_computed = rng.randrange(0, r.prompt_len)
+            s.running.append(r)
+        batch = s.schedule()
+        got = ([r.request_id for r in batch.generation_requests], [r.request_id for r in batch.context_requests],
+               batch.context_chunks)
+        assert got == _ref_schedule(s.running, s.max_num_tokens, tpg, s.chunked)
