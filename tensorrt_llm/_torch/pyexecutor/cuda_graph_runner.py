@@ -28,7 +28,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -46,6 +46,24 @@ def batch_buckets(max_batch_size: int, candidates: Sequence[int] = DEFAULT_BATCH
     """Capture sizes: candidates below max_batch_size, plus max_batch_size (capped at the largest)."""
     top = min(max_batch_size, max(candidates))
     return sorted({c for c in candidates if c < top} | {top})
+
+
+def capture_graph(fn: Callable[[], Any], device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Warm `fn` up once on a side stream (torch's rule; it also lets backends plan their
+    fixed-address wrappers, so nothing is planned inside the capture), then capture it.
+
+    Returns (graph, the captured call's outputs: persistent tensors that each replay refills).
+    """
+    cur = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(cur)
+    with torch.cuda.stream(side):
+        fn()
+    cur.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = fn()
+    return graph, out
 
 
 @dataclass
@@ -265,19 +283,9 @@ class CUDAGraphRunner:
         return logits, (torch.cat(captured, dim=-1) if captured else None)
 
     def _capture(self, entry: _GraphEntry) -> None:
-        # Warm-up on a side stream (torch's rule for capture); it also plans the backend's
-        # fixed-address wrappers for this shape, so nothing is planned inside the capture.
-        cur = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(cur)
-        with torch.cuda.stream(side):
-            self._forward(entry)
-        cur.wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            entry.logits, entry.captured = self._forward(entry)
-        entry.graph = graph
+        entry.graph, (entry.logits, entry.captured) = capture_graph(lambda: self._forward(entry),
+                                                                    self.device, self._pool)
         self.num_captures += 1
         logger.info("captured CUDA graph for batch bucket %d x %d tokens", entry.bucket, entry.q)

@@ -28,7 +28,7 @@ import torch
 
 from ..attention_backend.flashinfer_backend import CUDA_GRAPH_SHAPE_KEY
 from ..attention_backend.interface import BAD_PAGE_INDEX, AttentionMetadata
-from ..pyexecutor.cuda_graph_runner import batch_buckets, pack_graph_inputs
+from ..pyexecutor.cuda_graph_runner import batch_buckets, capture_graph, pack_graph_inputs
 from ..pyexecutor.llm_request import LlmRequest, RequestState
 
 logger = logging.getLogger("tensorrt_llm")
@@ -188,20 +188,9 @@ class DraftGraphRunner:
         return ids
 
     def _capture(self, entry: _DraftEntry) -> None:
-        # Warm-up on a side stream: lazy state, and the backend plans its fixed-address
-        # wrappers for this shape, so nothing is planned inside the capture.
-        cur = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(cur)
-        with torch.cuda.stream(side):
-            self._forward(entry)
-        cur.wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            entry.draft_ids = self._forward(entry)
-        entry.graph = graph
+        entry.graph, entry.draft_ids = capture_graph(lambda: self._forward(entry), self.device, self._pool)
         self.num_captures += 1
         logger.info("captured draft CUDA graph for batch bucket %d (%d verify rows, block %d)",
                     entry.bucket, self.q, self.block_size)
