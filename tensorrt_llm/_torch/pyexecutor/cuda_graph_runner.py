@@ -48,6 +48,20 @@ def batch_buckets(max_batch_size: int, candidates: Sequence[int] = DEFAULT_BATCH
     return sorted({c for c in candidates if c < top} | {top})
 
 
+def check_graph_support(device: torch.device, backend: AttentionBackend, tokens_per_request: int,
+                        page_size: int, role: str) -> None:
+    """ValueError unless graphs can run: CUDA, a backend declaring cuda_graphs, and padding
+    requests (`tokens_per_request` tokens each) fitting in one scratch page."""
+    if device.type != "cuda":
+        raise ValueError(f"use_cuda_graph needs a CUDA device, got {device}")
+    if not backend.capabilities.cuda_graphs:
+        raise ValueError(f"use_cuda_graph: {role} {backend.name} does not support CUDA graphs "
+                         "(choose attn_backend='FLASHINFER' or use_cuda_graph=False)")
+    if tokens_per_request > page_size:
+        raise ValueError(f"use_cuda_graph: {tokens_per_request} tokens per request exceed one page "
+                         f"({page_size} tokens), which padding requests must fit in")
+
+
 def capture_graph(fn: Callable[[], Any], device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, Any]:
     """Warm `fn` up once on a side stream (torch's rule; it also lets backends plan their
     fixed-address wrappers, so nothing is planned inside the capture), then capture it.
@@ -171,15 +185,7 @@ class CUDAGraphRunner:
                  kv_caches: Sequence[torch.Tensor], device: torch.device, max_batch_size: int,
                  token_counts: Sequence[int] = (1,), capture_layer_ids: Sequence[int] = (),
                  buckets: Optional[Sequence[int]] = None):
-        if device.type != "cuda":
-            raise ValueError(f"use_cuda_graph needs a CUDA device, got {device}")
-        if not backend.capabilities.cuda_graphs:
-            raise ValueError(f"use_cuda_graph: attention backend {backend.name} does not support CUDA "
-                             "graphs (choose attn_backend='FLASHINFER' or use_cuda_graph=False)")
-        p = kv.tokens_per_block
-        if max(token_counts) > p:
-            raise ValueError(f"use_cuda_graph: {max(token_counts)} tokens per request exceed one "
-                             f"page ({p} tokens), which padding requests must fit in")
+        check_graph_support(device, backend, max(token_counts), kv.tokens_per_block, "attention backend")
         self.model, self.kv, self.backend = model, kv, backend
         self.kv_caches = list(kv_caches)
         self.device = device

@@ -28,7 +28,8 @@ import torch
 
 from ..attention_backend.flashinfer_backend import CUDA_GRAPH_SHAPE_KEY
 from ..attention_backend.interface import BAD_PAGE_INDEX, AttentionMetadata
-from ..pyexecutor.cuda_graph_runner import batch_buckets, capture_graph, pack_graph_inputs
+from ..pyexecutor.cuda_graph_runner import (batch_buckets, capture_graph, check_graph_support,
+                                           pack_graph_inputs)
 from ..pyexecutor.llm_request import LlmRequest, RequestState
 
 logger = logging.getLogger("tensorrt_llm")
@@ -69,15 +70,8 @@ class DraftGraphRunner:
                  device: torch.device, max_batch_size: int, verify_tokens: int, num_drafts: int,
                  buckets: Optional[Sequence[int]] = None):
         cfg = drafter.config
-        if device.type != "cuda":
-            raise ValueError(f"use_cuda_graph needs a CUDA device, got {device}")
-        if not backend.capabilities.cuda_graphs:
-            raise ValueError(f"use_cuda_graph: the drafter's attention backend {backend.name} does not "
-                             "support CUDA graphs (choose FLASHINFER or use_cuda_graph=False)")
-        page = kv.tokens_per_block
-        if max(verify_tokens, cfg.block_size) > page:
-            raise ValueError(f"use_cuda_graph: {max(verify_tokens, cfg.block_size)} draft tokens per request "
-                             f"exceed one page ({page} tokens), which padding requests must fit in")
+        check_graph_support(device, backend, max(verify_tokens, cfg.block_size), kv.tokens_per_block,
+                            "the drafter's attention backend")
         if verify_tokens > cfg.block_size + 1:
             raise ValueError(f"verify_tokens {verify_tokens} > block_size + 1 ({cfg.block_size + 1})")
         self.drafter, self.kv, self.backend = drafter, kv, backend
