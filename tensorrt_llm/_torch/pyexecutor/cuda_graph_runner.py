@@ -1,9 +1,12 @@
-"""CUDA graphs for generation-only target steps (decode, verify).
+"""CUDA graphs for the generation segments of target steps (decode, verify).
 
-A step is graphable when every segment has the same token count q (1 for decode,
-1 + max_draft_len for verify, one of `token_counts`), wants logits for all of them,
-writes only slots its request owns, and the batch fits a bucket. The batch is padded
-up to the bucket with padding requests that live in one page the runner holds::
+A segment is graphable when its token count is q (1 for decode, 1 + max_draft_len for
+verify, one of `token_counts`), it wants logits for all of them and writes only slots its
+request owns. When every segment of a step is graphable and the batch fits a bucket the
+whole step replays; otherwise the graphable segments of the most common q (at most the
+largest bucket) replay and `ModelEngine` runs the rest eagerly and stitches the outputs
+(`step_split`). The graph group is padded up to the bucket with padding requests that
+live in one page the runner holds::
 
     rows: [ seg0: q tokens | seg1 | ... | segB-1 | pad | ... | pad ]     (bucket * q rows)
     pad:  positions 0..q-1, num_cached 0, block table [scratch, BAD, ...], slots in scratch
@@ -36,10 +39,11 @@ import torch
 from ..attention_backend.flashinfer_backend import CUDA_GRAPH_SHAPE_KEY
 from ..attention_backend.interface import BAD_PAGE_INDEX, AttentionBackend, AttentionMetadata
 from .resource_manager import KVCacheManager
+from .step_split import graph_candidates
 
 logger = logging.getLogger("tensorrt_llm")
 
-DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def batch_buckets(max_batch_size: int, candidates: Sequence[int] = DEFAULT_BATCH_BUCKETS) -> list[int]:
@@ -152,6 +156,15 @@ class StepPlan(NamedTuple):
     starts: np.ndarray      # [B] int64 first position of each segment
 
 
+class GraphRun(NamedTuple):
+    """The replayed part of a step: which segments, and their outputs (q rows each, in order)."""
+
+    indices: list[int]                  # [G] segment indices in step order
+    q: int
+    logits: torch.Tensor                # [G*q, V] float32
+    captured: Optional[torch.Tensor]    # [G*q, n*H] or None
+
+
 @dataclass
 class _GraphEntry:
     """Persistent buffers and the captured graph of one (bucket, q)."""
@@ -179,7 +192,7 @@ def _io_views(buf: torch.Tensor, bucket: int, q: int, max_pages: int
 
 
 class CUDAGraphRunner:
-    """Captures and replays the target forward of generation-only steps per batch bucket."""
+    """Captures and replays the target forward of generation segments per (batch bucket, q)."""
 
     def __init__(self, model: torch.nn.Module, kv: KVCacheManager, backend: AttentionBackend,
                  kv_caches: Sequence[torch.Tensor], device: torch.device, max_batch_size: int,
@@ -198,7 +211,8 @@ class CUDAGraphRunner:
         self._pool = None
         self.num_captures = 0
         self.num_replays = 0
-        self.num_eager_fallbacks = 0
+        self.num_eager_fallbacks = 0     # steps run wholly eagerly
+        self.num_split_steps = 0         # steps whose graph group replayed next to an eager rest
 
     # ---- eligibility ---------------------------------------------------------------------
     def _bucket(self, n: int) -> Optional[int]:
@@ -207,35 +221,47 @@ class CUDAGraphRunner:
                 return b
         return None
 
-    def plan_step(self, segments) -> Optional[StepPlan]:
-        """A `StepPlan` (bucket, q, slots [B, q], ...) when the step can replay a graph, else None."""
-        if not segments:
+    def plan_group(self, segments) -> Optional[tuple[list[int], StepPlan]]:
+        """(indices of the segments that can replay, in step order; their `StepPlan`), or None
+        when none can. Segments of another shape, with a slot beyond their owned pages, or
+        beyond the largest bucket are left out (they run eagerly)."""
+        q, idx = graph_candidates([(len(s.token_ids), s.num_logits) for s in segments], self.token_counts)
+        if not idx:
             return None
-        q = len(segments[0].token_ids)
-        if q not in self.token_counts or any(len(s.token_ids) != q or s.num_logits != q for s in segments):
-            return None
-        bucket = self._bucket(len(segments))
-        if bucket is None:
-            return None
-        rids = [s.request_id for s in segments]
+        rids = [segments[i].request_id for i in idx]
         rows = self.kv.rows(rids)
-        starts = np.fromiter((s.start for s in segments), dtype=np.int64, count=len(segments))
+        starts = np.fromiter((segments[i].start for i in idx), dtype=np.int64, count=len(idx))
         slots = self.kv.slots_batch(rids, starts, q, rows=rows)
-        if (slots < 0).any():
-            return None          # a write beyond owned pages: eager handles (skips) it
-        return StepPlan(bucket, q, slots, rows, starts)
+        owned = (slots >= 0).all(axis=1)      # a write beyond owned pages: eager skips it
+        keep = np.flatnonzero(owned)[:self.buckets[-1]]
+        if keep.shape[0] == 0:
+            return None
+        if keep.shape[0] < len(idx):
+            idx = [idx[k] for k in keep.tolist()]
+            slots, rows, starts = slots[keep], rows[keep], starts[keep]
+        return idx, StepPlan(self._bucket(len(idx)), q, slots, rows, starts)
+
+    def plan_step(self, segments) -> Optional[StepPlan]:
+        """A `StepPlan` (bucket, q, slots [B, q], ...) when the whole step can replay a graph, else None."""
+        group = self.plan_group(segments)
+        return group[1] if group is not None and len(group[0]) == len(segments) else None
 
     # ---- run -------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, segments) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
-        """Replay for a graphable step: (logits [B*q, V] float32, captured [B*q, n*H] or None).
+    def run(self, segments) -> Optional[GraphRun]:
+        """Replay the graphable segments of a step (all of them, or a split step's graph group).
 
-        Returns None when the step must run eagerly.
+        Returns a `GraphRun` (indices, q, logits [G*q, V] float32, captured [G*q, n*H] or None),
+        or None when no segment can replay (the whole step runs eagerly).
         """
-        plan = self.plan_step(segments)
-        if plan is None:
+        group = self.plan_group(segments)
+        if group is None:
             self.num_eager_fallbacks += 1
             return None
+        idx, plan = group
+        if len(idx) < len(segments):
+            self.num_split_steps += 1
+            segments = [segments[i] for i in idx]
         bucket, q = plan.bucket, plan.q
         entry = self._entries.get((bucket, q))
         if entry is None:
@@ -249,7 +275,7 @@ class CUDAGraphRunner:
         self.num_replays += 1
         n = len(segments) * q
         cap = entry.captured[:n].clone() if entry.captured is not None else None
-        return entry.logits[:n].clone(), cap
+        return GraphRun(idx, q, entry.logits[:n].clone(), cap)
 
     def _new_entry(self, bucket: int, q: int) -> _GraphEntry:
         dev, max_pages = self.device, self.kv.max_blocks_per_seq

@@ -12,6 +12,7 @@ import torch
 from ..attention_backend.interface import AttentionBackend, AttentionMetadata
 from .cuda_graph_runner import CUDAGraphRunner
 from .resource_manager import KVCacheManager
+from .step_split import cat_rows, stitched_offsets
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -28,10 +29,13 @@ class ForwardSegment:
 
 @dataclass
 class ForwardOutput:
+    """Outputs of one step. Offsets are per segment and need not be monotonic in segment order
+    (a split step puts its eager segments' rows first, then the graph group's; `step_split`)."""
+
     logits: torch.Tensor                  # [sum(num_logits), V] float32
     logits_offsets: list[int]             # row offset of each segment's logits
     captured: Optional[torch.Tensor]      # [T, n*H] captured target hidden (concat), or None
-    token_offsets: list[int]              # start row of each segment in the packed token axis
+    token_offsets: list[int]              # first row of each segment's tokens in `captured`
 
 
 def build_metadata(kv: KVCacheManager, request_ids: Sequence[int], starts: Sequence[int],
@@ -51,8 +55,10 @@ def build_metadata(kv: KVCacheManager, request_ids: Sequence[int], starts: Seque
 class ModelEngine:
     """Runs the target model over the KV manager's target pool.
 
-    With `use_cuda_graph`, generation-only steps whose shape fits a batch bucket replay a
-    captured graph (`CUDAGraphRunner`); every other step runs eagerly.
+    With `use_cuda_graph`, generation segments of one shape replay a captured graph
+    (`CUDAGraphRunner`): the whole step when every segment fits, else the graph group next to
+    one eager forward of the rest, stitched into one output (`step_split`). A step with no
+    graphable segment runs eagerly.
     """
 
     def __init__(self, model: torch.nn.Module, kv: KVCacheManager, backend: AttentionBackend,
@@ -76,13 +82,20 @@ class ModelEngine:
 
     @torch.inference_mode()
     def forward(self, segments: Sequence[ForwardSegment]) -> ForwardOutput:
-        if self.graph_runner is not None:
-            out = self.graph_runner.run(segments)
-            if out is not None:
-                logits, cap = out
-                q = len(segments[0].token_ids)
-                offsets = [i * q for i in range(len(segments))]
-                return ForwardOutput(logits, offsets, cap, offsets)
+        run = self.graph_runner.run(segments) if self.graph_runner is not None else None
+        if run is None:
+            return self._eager(segments)
+        shapes = [(len(s.token_ids), s.num_logits) for s in segments]
+        logits_offsets, token_offsets = stitched_offsets(shapes, run.indices, run.q)
+        if len(run.indices) == len(segments):
+            return ForwardOutput(run.logits, logits_offsets, run.captured, token_offsets)
+        in_graph = set(run.indices)
+        eager = self._eager([s for i, s in enumerate(segments) if i not in in_graph])
+        return ForwardOutput(cat_rows(eager.logits, run.logits), logits_offsets,
+                             cat_rows(eager.captured, run.captured), token_offsets)
+
+    def _eager(self, segments: Sequence[ForwardSegment]) -> ForwardOutput:
+        """One packed forward of `segments` (any mix of prompt chunks and generation)."""
         ids, pos, rows = [], [], []
         logits_offsets, token_offsets = [], []
         t = 0

@@ -33,7 +33,8 @@ def test_batch_buckets():
     assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
     assert batch_buckets(6) == [1, 2, 4, 6]
     assert batch_buckets(1) == [1]
-    assert batch_buckets(1000) == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert batch_buckets(1000) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert batch_buckets(256)[-2:] == [128, 256] and batch_buckets(200)[-2:] == [128, 200]
 
 
 def test_pack_graph_inputs_pads_into_scratch_page():
