@@ -11,7 +11,7 @@
 #   --minutes M       training wall-clock target (default 8): both backbones get the SAME step count,
 #                     M minutes / the slower backbone's probed step time
 #   --gen-minutes M   regeneration box per shard (default 2.5)
-#   --num-prompts N   prompts to regenerate over all shards (default 12000)
+#   --num-prompts N   prompts to regenerate over all shards (default 40000)
 #   --max-new-tokens N  tokens the target generates per prompt (default 384)
 #   --min-steps N     floor of the shared step count (default 200)
 #   -- ...            passed verbatim to every trtllm-train-dspark call (e.g. --set train.batch_size=8)
@@ -22,7 +22,7 @@
 set -euo pipefail
 
 MODEL="" PROMPTS="" OUT=""
-MINUTES=8 GEN_MINUTES=2.5 NUM_PROMPTS=12000 MAX_NEW=384 MIN_STEPS=200
+MINUTES=8 GEN_MINUTES=2.5 NUM_PROMPTS=40000 MAX_NEW=384 MIN_STEPS=200
 EXTRA=()
 while [[ $# -gt 0 ]]; do
   case "$1" in

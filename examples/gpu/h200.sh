@@ -6,13 +6,16 @@
 #   .device_carry/model_b  second GGUF part, gguf wheel, eval prompts, ShareGPT prompts (.json.gz),
 #                          MT-Bench wheel
 # Stages:
-#   install : wheels -> /tmp/site, prebuilt kernels -> flashinfer/data/aot; GPU tests (tiny models)
 #   model_a : first GGUF part -> /tmp/persist
+#   install : wheels -> /tmp/site (+ prebuilt kernels from .whl_gpu/aot/*.so if present)
 #   train   : GGUF -> HF folder; starts examples/dspark/train_on_h200.sh detached (regeneration on
 #             both GPUs, probe, GQA + MLA training side by side); returns at once
-#   wait    : progress of the detached training (keeps the machine warm)
-#   bench   : waits for training; GPU tests (real model too); throughput table; extras; returns GQA
-#   eval    : AL tables (T=0, T=0.7); returns the MLA drafter
+#   wait    : progress of the detached training (keeps the machine warm); TESTS=1 also runs the
+#             GPU tests meanwhile (they JIT-compile the flashinfer kernels into /tmp/fiws)
+#   eval    : waits for training; AL tables (T=0 all sets, T=0.7 first 40) on GPU 0 while the HF
+#             transformers arm runs on GPU 1; returns the MLA drafter
+#   bench   : throughput table (no-spec FLASHINFER+graphs, DSpark MLA / GQA, VANILLA); extras;
+#             returns the GQA drafter
 set -uo pipefail
 STAGE=$1
 export PYTHONPATH=/tmp/site:$PWD CUDA_HOME=/usr/local/cuda MAX_JOBS=16 FLASHINFER_WORKSPACE_BASE=/tmp/fiws
@@ -30,9 +33,7 @@ case "$STAGE" in
 install)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl_gpu/*.whl || exit 1
   for so in .whl_gpu/aot/*.so; do n=$(basename "$so" .so); mkdir -p /tmp/site/flashinfer/data/aot/$n; cp "$so" /tmp/site/flashinfer/data/aot/$n/; done
-  python3 -c "import torch, pydantic, flashinfer; print(torch.__version__, pydantic.__version__, flashinfer.__version__, torch.cuda.device_count(), torch.cuda.get_device_name())"
-  timeout ${TEST_S:-300} python3 -m pytest -q -m gpu -p no:cacheprovider tests/unittest -x -rs 2>&1 | tail -40 | tee $OUT/pytest_gpu_tiny.log
-  stamp "tests" ;;
+  python3 -c "import torch, pydantic, flashinfer; print(torch.__version__, pydantic.__version__, flashinfer.__version__, torch.cuda.device_count(), torch.cuda.get_device_name())" ;;
 model_a)
   mkdir -p /tmp/persist && cp .device_carry/model_a/gguf_part_00 /tmp/persist/ && ls -la /tmp/persist ;;
 train)
@@ -44,19 +45,17 @@ train)
   cp .device_carry/model_b/*.whl /tmp/persist/ds/wheels/
   rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r tensorrt_llm examples /tmp/repo/   # frozen copy for the detached run
   cd /tmp/repo && PYTHONPATH=/tmp/site:/tmp/repo setsid nohup bash examples/dspark/train_on_h200.sh --model $M \
-    --prompts /tmp/persist/prompts.json.gz --out $RUNS --minutes ${TRAIN_MIN:-8} --gen-minutes ${GEN_MIN:-2.5} \
-    --num-prompts ${NUM_PROMPTS:-12000} -- --set data.attn_backend=FLASHINFER --set data.use_cuda_graph=true \
+    --prompts /tmp/persist/prompts.json.gz --out $RUNS --minutes ${TRAIN_MIN:-9} --gen-minutes ${GEN_MIN:-3.5} \
+    --num-prompts ${NUM_PROMPTS:-40000} -- --set data.attn_backend=FLASHINFER --set data.use_cuda_graph=true \
     > /tmp/train_all.log 2>&1 < /dev/null &
-  sleep 45; progress ;;
+  sleep 20; progress ;;
 wait)
-  sleep ${W:-120}; progress ;;
+  if [[ "${TESTS:-0}" == 1 ]]; then
+    timeout ${TEST_S:-400} python3 -m pytest -q -m gpu -p no:cacheprovider tests/unittest -rs 2>&1 | tail -30 | tee $OUT/pytest_gpu.log
+    stamp "tests"
+  fi
+  sleep ${W:-1}; progress ;;
 bench)
-  for i in $(seq 1 ${WAIT_S:-400}); do [[ -f $RUNS/DONE ]] && break; sleep 1; done
-  progress; cat /tmp/train_all.log | grep -v "^\[" | tail -8 | tee $OUT/train_summary.log
-  for b in gqa mla; do cp $RUNS/$b/training_log.json $OUT/${b}_training_log.json; done
-  cp $RUNS/steps.txt $RUNS/data/regen.shard0.meta.json $OUT/ 2>/dev/null
-  timeout ${TEST_S:-150} python3 -m pytest -q -m gpu -p no:cacheprovider tests/unittest -rs 2>&1 | tail -25 | tee $OUT/pytest_gpu.log
-  stamp "tests"
   B="python3 -m tensorrt_llm.bench.benchmark --model $M --dataset mtbench --ignore-eos --dataset-cache-dir /tmp/persist/ds --num-requests 80"
   mkdir -p /tmp/yaml
   printf "attn_backend: VANILLA\nkv_cache_config: {max_tokens: 65536}\n" > /tmp/yaml/vanilla.yaml
@@ -73,12 +72,23 @@ bench)
   (cd $RUNS/gqa/drafter && tar cf /tmp/gqa.tar .) && split_out /tmp/gqa.tar gqa_tar_
   stamp "bench done" ;;
 eval)
-  timeout ${AL_S:-330} python3 -m tensorrt_llm.bench.eval_acceptance --model $M --drafter gqa=$RUNS/gqa/drafter --drafter mla=$RUNS/mla/drafter \
-    --prompts-file /tmp/persist/eval_prompts.json --temperature 0 0.7 --max-tokens 256 --concurrency 64 --cuda-graph \
-    --attn-backend FLASHINFER --kv-max-tokens 262144 --json $OUT/eval_al.json 2>&1 | grep -v "^\[" | tail -30
-  stamp "AL done"
-  timeout ${HF_S:-60} python3 -m tensorrt_llm.bench.benchmark --model $M --dataset mtbench --ignore-eos --dataset-cache-dir /tmp/persist/ds \
-    --num-requests 80 --extra-llm-api-options /tmp/yaml/fi.yaml --waves 1 --max-tokens 256 --concurrency 1 16 64 --hf-baseline --hf-static-cache --json $OUT/bench_hf.json 2>&1 | grep "^|" | tail -8
+  for i in $(seq 1 ${WAIT_S:-600}); do [[ -f $RUNS/DONE ]] && break; sleep 1; done
+  progress; cat /tmp/train_all.log | grep -v "^\[" | tail -8 | tee $OUT/train_summary.log
+  for b in gqa mla; do cp $RUNS/$b/training_log.json $OUT/${b}_training_log.json; done
+  cp $RUNS/steps.txt $RUNS/data/regen.shard0.meta.json $OUT/ 2>/dev/null
+  mkdir -p /tmp/yaml && printf "attn_backend: FLASHINFER\nuse_cuda_graph: true\nkv_cache_config: {max_tokens: 262144}\n" > /tmp/yaml/fi.yaml
+  # HF transformers arm on GPU 1 (static cache + its torch.compile) while GPU 0 measures AL
+  CUDA_VISIBLE_DEVICES=1 timeout ${HF_S:-420} python3 -m tensorrt_llm.bench.benchmark --model $M --dataset mtbench --ignore-eos \
+    --dataset-cache-dir /tmp/persist/ds --num-requests 64 --extra-llm-api-options /tmp/yaml/fi.yaml --waves 1 --max-tokens 256 \
+    --concurrency 1 16 64 --hf-baseline --hf-static-cache --json $OUT/bench_hf.json > /tmp/hf.log 2>&1 &
+  HF=$!
+  AL="python3 -m tensorrt_llm.bench.eval_acceptance --model $M --drafter gqa=$RUNS/gqa/drafter --drafter mla=$RUNS/mla/drafter
+    --prompts-file /tmp/persist/eval_prompts.json --concurrency 64 --cuda-graph --attn-backend FLASHINFER --kv-max-tokens 262144"
+  CUDA_VISIBLE_DEVICES=0 timeout ${AL_S:-300} $AL --temperature 0 --max-tokens 256 --json $OUT/eval_al_t0.json 2>&1 | grep -v "^\[" | tail -14
+  stamp "AL T=0 done"
+  CUDA_VISIBLE_DEVICES=0 timeout ${AL7_S:-150} $AL --temperature 0.7 --limit 40 --max-tokens 128 --json $OUT/eval_al_t07.json 2>&1 | grep -v "^\[" | tail -14
+  stamp "AL T=0.7 done"
+  wait $HF; grep "^|" /tmp/hf.log | tail -8; tail -n 3 /tmp/hf.log
   stamp "hf"
   (cd $RUNS/mla/drafter && tar cf /tmp/mla.tar .) && split_out /tmp/mla.tar mla_tar_
   stamp "eval done" ;;

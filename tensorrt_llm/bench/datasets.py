@@ -223,6 +223,11 @@ def load_sharegpt(n: Optional[int] = None, min_turns: int = 1,
     return out
 
 
+def human_turns(conv: dict) -> list[str]:
+    """Every user message of one conversation, in order."""
+    return [m["value"] for m in conv["conversations"] if m["from"] in _USER_ROLES]
+
+
 def first_human_turns(convs: Sequence[dict]) -> list[str]:
     """The first user message of each conversation (conversations without one are skipped)."""
     out = []

@@ -29,6 +29,7 @@ class TokenizerWrapper:
         self.eos_token_ids: list[int] = [eos] if isinstance(eos, int) else list(eos or [])
         self.bos_token = self._tok_str(self.config.get("bos_token")) or ""
         self.eos_token = self._tok_str(self.config.get("eos_token")) or ""
+        self._template: Optional[jinja2.Template] = None   # compiled on first use
 
     @staticmethod
     def _tok_str(t) -> Optional[str]:
@@ -45,17 +46,23 @@ class TokenizerWrapper:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self.tk.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
+        """`encode` of many texts at once (the tokenizer's parallel batch path)."""
+        return [e.ids for e in self.tk.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat_template")
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        if self._template is None:
+            env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
 
-        def raise_exception(msg):
-            raise ValueError(msg)
-        env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template).render(
+            def raise_exception(msg):
+                raise ValueError(msg)
+            env.globals["raise_exception"] = raise_exception
+            self._template = env.from_string(self.chat_template)
+        return self._template.render(
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token, eos_token=self.eos_token)

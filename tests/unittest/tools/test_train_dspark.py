@@ -348,3 +348,37 @@ def test_shipped_configs_fit_budget():
         with torch.device("meta"):
             n = sum(p.numel() for p in build_drafter(cfg, smol).parameters())
         assert n == expected[backbone] and 2 * n <= 45e6
+
+
+def test_sharegpt_turns_export_and_prompt_selection(tiny_target, tmp_path):
+    """turns='all' yields every first turn before any later turn; export dedupes; select_prompts
+    keeps order, applies the chat template, drops over-long prompts and stops at num_prompts."""
+    import gzip
+    from tensorrt_llm.llmapi.tokenizer import TokenizerWrapper
+    from tensorrt_llm.tools.dspark_data import _sharegpt_prompts, export_prompts, select_prompts
+    convs = [{"id": "a", "conversations": [{"from": "human", "value": "hello world"},
+                                           {"from": "gpt", "value": "hi"},
+                                           {"from": "human", "value": "tell me a story"}]},
+             {"id": "b", "conversations": [{"from": "human", "value": "describe a cat"},
+                                           {"from": "gpt", "value": "a cat"},
+                                           {"from": "human", "value": "hello world"},
+                                           {"from": "gpt", "value": "again"},
+                                           {"from": "human", "value": "why is the sky blue? " * 40}]}]
+    src = tmp_path / "sharegpt.json"
+    src.write_text(json.dumps(convs))
+    assert list(_sharegpt_prompts(str(src), "first")) == ["hello world", "describe a cat"]
+    assert list(_sharegpt_prompts(str(src), "all")) == ["hello world", "describe a cat", "tell me a story",
+                                                        "hello world", "why is the sky blue? " * 40]
+    out = tmp_path / "p.json.gz"
+    assert export_prompts(str(src), out, "all") == 4          # the repeated "hello world" once
+    texts = json.loads(gzip.decompress(out.read_bytes()))
+    assert texts[:3] == ["hello world", "describe a cat", "tell me a story"]
+    tok = TokenizerWrapper(tiny_target)
+    cfg = tiny_config(tiny_target, tmp_path / "x", "gqa")
+    data = cfg.data.model_copy(update={"prompts_file": str(out), "num_prompts": 10, "max_prompt_tokens": 40})
+    got = select_prompts(data, tok)
+    want = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts[:3]]
+    assert got == want                                        # the long 4th prompt is dropped
+    assert select_prompts(data.model_copy(update={"num_prompts": 2}), tok) == want[:2]
+    with pytest.raises(ValueError, match="no prompt fits"):
+        select_prompts(data.model_copy(update={"max_prompt_tokens": 8}), tok)
