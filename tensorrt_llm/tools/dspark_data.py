@@ -105,6 +105,7 @@ def _data_meta(cfg: DSparkTrainConfig) -> dict[str, Any]:
     d = cfg.data
     return {"target": str(Path(cfg.target).resolve()),
             "source": d.prompts_file or d.sharegpt_file or "sharegpt",
+            "human_turns": None if d.prompts_file else d.human_turns,
             "num_prompts": d.num_prompts, "max_prompt_tokens": d.max_prompt_tokens,
             "max_new_tokens": d.max_new_tokens, "temperature": d.temperature,
             "seed": cfg.train.seed if d.temperature > 0 else None, "num_shards": d.num_shards}
