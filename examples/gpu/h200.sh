@@ -45,7 +45,7 @@ train)
   cp .device_carry/model_b/*.whl /tmp/persist/ds/wheels/
   rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r tensorrt_llm examples /tmp/repo/   # frozen copy for the detached run
   cd /tmp/repo && PYTHONPATH=/tmp/site:/tmp/repo setsid nohup bash examples/dspark/train_on_h200.sh --model $M \
-    --prompts /tmp/persist/prompts.json.gz --out $RUNS --minutes ${TRAIN_MIN:-9} --gen-minutes ${GEN_MIN:-3.5} \
+    --prompts /tmp/persist/prompts.json.gz --out $RUNS --minutes ${TRAIN_MIN:-8} --gen-minutes ${GEN_MIN:-3} \
     --num-prompts ${NUM_PROMPTS:-40000} -- --set data.attn_backend=FLASHINFER --set data.use_cuda_graph=true \
     > /tmp/train_all.log 2>&1 < /dev/null &
   sleep 20; progress ;;
