@@ -15,8 +15,20 @@ the runner holds. Persistent inputs live in `_DraftEntry`; the block's metadata 
 `AttentionMetadata` with persistent slot_mapping / block_tables that the backend plans
 outside the graph (`prepare` with CUDA_GRAPH_SHAPE_KEY) before each replay.
 
-Eligible: every request greedy (or already finished), every segment exactly q rows in order,
-every slot (context and block) owned, batch within a bucket. Anything else runs eagerly.
+Split steps: a committed entry is eligible when its request is in GENERATION (or finished),
+greedy (or finished), its captured segment has exactly q rows, it commits 1..q tokens and
+every slot (context and block) is owned. The eligible entries (at most the largest bucket)
+replay the graph: their rows are gathered out of the step's captured tensor (a view when
+they are contiguous, else one index_select) and rebased to row i*q; the other entries
+(prompt chunks, shorter verify segments, sampled requests, clamped pages) take the eager
+draft step with the original captured tensor and rows. Requests are independent (own
+pages, own context), so the two halves may run in either order.
+
+Captured row counts come from the row layout: the step's segments tile the captured rows
+(`captured_row_counts`). An entry missing from `committed` (a request that failed in its
+update) only lengthens its row-predecessor's count; when that makes a shorter segment look
+like q rows, the extra rows land at positions start+n..start+q-1, which the block
+overwrites in the same replay and which are never marked written (the rule above).
 """
 from __future__ import annotations
 
@@ -35,9 +47,22 @@ from ..pyexecutor.llm_request import LlmRequest, RequestState
 logger = logging.getLogger("tensorrt_llm")
 
 
+def captured_row_counts(row0s: Sequence[int], total_rows: int) -> list[int]:
+    """Captured rows of each entry when the entries' segments tile [0, total_rows) in any
+    order: the distance to the next larger row0 (or to total_rows)."""
+    order = sorted(range(len(row0s)), key=lambda i: row0s[i])
+    out = [0] * len(row0s)
+    for a, b in zip(order, order[1:] + [None]):
+        end = total_rows if b is None else row0s[b]
+        if end < row0s[a] or (b is not None and end == row0s[a]):
+            raise ValueError(f"row0 {row0s[a]} repeated or beyond {total_rows} captured rows")
+        out[a] = end - row0s[a]
+    return out
+
+
 @dataclass
 class DraftPlan:
-    """Host-side inputs of one eligible draft step (B real requests)."""
+    """Host-side inputs of the graph group of a draft step (B requests)."""
 
     bucket: int
     ctx_slots: list[list[int]]        # [B][q]
@@ -87,44 +112,74 @@ class DraftGraphRunner:
         self._pool = None
         self.num_captures = 0
         self.num_replays = 0
-        self.num_eager_fallbacks = 0
+        self.num_eager_fallbacks = 0     # draft steps run wholly eagerly
+        self.num_split_steps = 0         # draft steps whose graph group replayed next to an eager rest
 
     # ---- eligibility ---------------------------------------------------------------------
-    def plan(self, committed: Sequence[tuple[LlmRequest, int, int, int]],
-             captured: torch.Tensor) -> Optional[DraftPlan]:
-        """A `DraftPlan` when this step's draft work can replay a graph, else None."""
+    def partition(self, committed: Sequence[tuple[LlmRequest, int, int, int]],
+                  rows: Sequence[int]) -> tuple[list[int], Optional[DraftPlan]]:
+        """(indices of the entries that can replay, in order; their `DraftPlan`), ([], None) when
+        none can. rows[i]: captured rows of committed[i]'s segment."""
         q, s = self.q, self.block_size
-        b = len(committed)
-        bucket = next((x for x in self.buckets if x >= b), None)
-        if bucket is None or b == 0 or captured.shape[0] != b * q:
-            return None
-        ctx_slots, blk_slots, new_ctx, anchors = [], [], [], []
-        for i, (req, row0, start, n) in enumerate(committed):
-            if row0 != i * q or not 1 <= n <= q or req.state != RequestState.GENERATION:
-                return None
+        idx, ctx_slots, blk_slots, new_ctx, anchors = [], [], [], [], []
+        for i, ((req, _, start, n), r) in enumerate(zip(committed, rows)):
+            if len(idx) == self.buckets[-1]:
+                break
             live = not req.is_finished
-            if live and not req.sampling_params.greedy:
-                return None
+            if r != q or not 1 <= n <= q or (live and (req.state != RequestState.GENERATION
+                                                        or not req.sampling_params.greedy)):
+                continue
             cs = self.kv.slots(req.request_id, start, q)
             bs = self.kv.slots(req.request_id, start + n, s)
             if min(cs) < 0 or min(bs) < 0:
-                return None
+                continue
+            idx.append(i)
             ctx_slots.append(cs)
             blk_slots.append(bs)
             new_ctx.append(start + n)
             anchors.append(req.token_at(start + n) if live and start + n < req.num_tokens
                            else self.mask_token_id)
-        return DraftPlan(bucket, ctx_slots, blk_slots, new_ctx, anchors)
+        if not idx:
+            return [], None
+        bucket = next(x for x in self.buckets if x >= len(idx))
+        return idx, DraftPlan(bucket, ctx_slots, blk_slots, new_ctx, anchors)
 
     # ---- run -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, committed: Sequence[tuple[LlmRequest, int, int, int]],
-            captured: torch.Tensor) -> Optional[list[list[int]]]:
-        """Draft ids [B][k_max] for an eligible step (context written, block run), else None."""
-        plan = self.plan(committed, captured)
+    def draft(self, committed: Sequence[tuple[LlmRequest, int, int, int]],
+              captured: torch.Tensor) -> tuple[list[int], list[list[int]]]:
+        """Replay the graph for the eligible entries of a draft step (context written, block run).
+
+        captured: [T, n*H], the step's captured rows. Returns (indices of the replayed entries
+        in committed, their draft ids [G][k_max]); ([], []) when none is eligible.
+        """
+        rows = captured_row_counts([row0 for _, row0, _, _ in committed], captured.shape[0])
+        idx, plan = self.partition(committed, rows)
         if plan is None:
             self.num_eager_fallbacks += 1
-            return None
+            return [], []
+        if len(idx) < len(committed):
+            self.num_split_steps += 1
+        q = self.q
+        row0s = [committed[i][1] for i in idx]
+        base, b = row0s[0], len(idx)
+        if row0s == list(range(base, base + b * q, q)):
+            group_captured = captured[base:base + b * q]
+        else:
+            sel = (torch.tensor(row0s, dtype=torch.long).view(-1, 1) + torch.arange(q)).view(-1)
+            group_captured = captured.index_select(0, sel.to(captured.device))
+        group = [(req, j * q, start, n) for j, (req, _, start, n) in enumerate(committed[i] for i in idx)]
+        return idx, self.run(group, group_captured, plan)
+
+    @torch.inference_mode()
+    def run(self, committed: Sequence[tuple[LlmRequest, int, int, int]], captured: torch.Tensor,
+            plan: DraftPlan) -> list[list[int]]:
+        """Replay for a graph group (`partition`): committed[j] has row0 j*q, captured [B*q, n*H].
+        Returns draft ids [B][k_max]."""
+        b = len(committed)
+        if captured.shape[0] != b * self.q or len(plan.anchors) != b:
+            raise ValueError(f"draft graph group of {b} entries: captured has {captured.shape[0]} rows, "
+                             f"plan {len(plan.anchors)} entries (q={self.q})")
         entry = self._entries.get(plan.bucket)
         if entry is None:
             entry = self._new_entry(plan.bucket, captured.shape[1], captured.dtype)
@@ -135,7 +190,7 @@ class DraftGraphRunner:
         entry.graph.replay()
         entry.replays += 1
         self.num_replays += 1
-        return entry.draft_ids[:len(committed)].tolist()
+        return entry.draft_ids[:b].tolist()
 
     def _new_entry(self, bucket: int, width: int, dtype: torch.dtype) -> _DraftEntry:
         q, s, dev = self.q, self.block_size, self.device

@@ -88,7 +88,8 @@ class DSparkWorker:
 
     # ---- verification ------------------------------------------------------------------
     def accept(self, req: LlmRequest, rows: torch.Tensor, greedy_ids: Optional[list[int]] = None) -> list[int]:
-        """rows [K+1, V] target logits for [anchor, d1..dK] -> committed tokens.
+        """rows [K+1, V] target logits for [anchor, d1..dK] -> committed tokens (at most the
+        max_tokens - len(output) the request may still emit, at least 1).
 
         greedy_ids: the rows' argmax already on the host (saves a device sync per request).
         """
@@ -108,11 +109,17 @@ class DSparkWorker:
                     out.append(tok)
                     if i == len(drafts) or tok != drafts[i]:
                         break
-        self.stats_.record(len(out) - 1, len(drafts))
+        # A greedy request keeps all K drafts near max_tokens (so its verify segment keeps the
+        # graph's shape): commit at most what it may still emit, and count only the drafts it
+        # could have used, which is what truncating them to `cap` would have recorded.
+        cap = max(1, p.max_tokens - len(req.output_token_ids))
+        usable = min(len(drafts), cap)
+        accepted = min(len(out) - 1, usable)
+        self.stats_.record(accepted, usable)
         req.num_verify_steps += 1
-        req.num_accepted_drafts += len(out) - 1
+        req.num_accepted_drafts += accepted
         req.draft_tokens, req.draft_probs = [], None
-        return out
+        return out[:cap]
 
     # ---- drafting ----------------------------------------------------------------------
     @torch.inference_mode()
@@ -125,20 +132,30 @@ class DSparkWorker:
         """
         if captured is None or not committed:
             return
-        if self.graph_runner is not None:
-            try:
-                drafts = self.graph_runner.run(committed, captured)
-            except RuntimeError as e:   # a capture the runtime refuses: serve eagerly from now on
-                logger.error("draft CUDA graph failed (%s); drafting eagerly from now on", e)
-                self.graph_runner, drafts = None, None
-            if drafts is not None:
-                self._after_context_write(committed, kv)
-                for (req, *_), ids in zip(committed, drafts):
-                    if req.state == RequestState.GENERATION and not req.is_finished:
-                        remaining = req.sampling_params.max_tokens - len(req.output_token_ids)
-                        req.draft_tokens, req.draft_probs = ids[:max(0, remaining)], None
-                return
-        self.eager_draft_step(committed, captured, kv)
+        rest = self._graph_draft_step(committed, captured, kv) if self.graph_runner is not None else committed
+        if rest:
+            self.eager_draft_step(rest, captured, kv)
+
+    def _graph_draft_step(self, committed: Sequence[tuple[LlmRequest, int, int, int]],
+                          captured: torch.Tensor, kv) -> list[tuple[LlmRequest, int, int, int]]:
+        """Replay the draft graph for the eligible entries; returns the entries left for eager."""
+        try:
+            idx, drafts = self.graph_runner.draft(committed, captured)
+        except RuntimeError as e:   # a capture the runtime refuses: serve eagerly from now on
+            logger.error("draft CUDA graph failed (%s); drafting eagerly from now on", e)
+            self.graph_runner = None
+            return list(committed)
+        if not idx:
+            return list(committed)
+        group = [committed[i] for i in idx]
+        self._after_context_write(group, kv)
+        for (req, *_), ids in zip(group, drafts):
+            if req.state == RequestState.GENERATION and not req.is_finished:
+                # all K drafts, also near max_tokens: the verify segment keeps the graph's
+                # shape and `accept` caps what is committed
+                req.draft_tokens, req.draft_probs = ids, None
+        taken = set(idx)
+        return [c for i, c in enumerate(committed) if i not in taken]
 
     def eager_draft_step(self, committed: Sequence[tuple[LlmRequest, int, int, int]],
                          captured: torch.Tensor, kv) -> None:
@@ -175,11 +192,10 @@ class DSparkWorker:
         groups: dict[int, list[LlmRequest]] = defaultdict(list)
         for req in reqs:
             ctx = req.num_computed
-            remaining = req.sampling_params.max_tokens - len(req.output_token_ids)
             s = min(self.block_size, kv.owned_tokens(req.request_id) - ctx)
             if s < self.block_size:
                 self._warn(req, f"draft block clamped to {max(s, 0)} slots by the page bound")
-            k = min(self.max_draft_len, remaining, s if self.drafter.config.shift_label else s - 1)
+            k = min(self.max_draft_len, self._draft_limit(req), s if self.drafter.config.shift_label else s - 1)
             if k <= 0 or s <= 0:
                 req.draft_tokens = []
                 continue
@@ -224,10 +240,17 @@ class DSparkWorker:
         draft_ids, _ = self.drafter.propose(hidden, anchors, k_max, pick)
         draft_ids = draft_ids.tolist()
         for i, req in enumerate(reqs):
-            remaining = req.sampling_params.max_tokens - len(req.output_token_ids)
-            k = min(k_max, remaining)
+            k = min(k_max, self._draft_limit(req))
             req.draft_tokens = draft_ids[i][:k]
             req.draft_probs = torch.stack(probs_rows[i][:k]) if probs_rows[i] else None
+
+    def _draft_limit(self, req: LlmRequest) -> int:
+        """Most drafts worth proposing: all of them for a greedy request (`accept` caps what is
+        committed, and full-length verify segments stay on the target graph); a sampled request
+        drafts at most the tokens it may still emit (its draft probs feed rejection sampling)."""
+        if req.sampling_params.greedy:
+            return self.max_draft_len
+        return req.sampling_params.max_tokens - len(req.output_token_ids)
 
     def _warn(self, req: LlmRequest, msg: str) -> None:
         if req.request_id not in self._warned:
@@ -244,7 +267,7 @@ class DSparkWorker:
         g = self.graph_runner
         if g is not None:
             d["draft_cuda_graph"] = {"captures": g.num_captures, "replays": g.num_replays,
-                                     "eager_steps": g.num_eager_fallbacks}
+                                     "eager_steps": g.num_eager_fallbacks, "split_steps": g.num_split_steps}
         return d
 
     def write_stats(self, folder: Path, rank: int = 0) -> Path:

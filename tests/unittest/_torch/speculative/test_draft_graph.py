@@ -5,7 +5,9 @@ drafters at block 8 (9 verify rows per request), through the LLM API with FLASHI
 replay is shadowed by the eager draft step on the same inputs: the draft ids must agree (bf16:
 >= 90% of ids), while eager drafts from a wrong anchor (token + 1) must not (negative control,
 < 50%; 35% on CPU),
-and greedy output must equal the no-spec graph engine's, token for token.
+and greedy output must equal the no-spec graph engine's, token for token. With staggered
+arrivals and different max_tokens, target and draft steps split (graph group + eager rest)
+and the output still equals the no-spec engine's.
 CPU: the eager path is what CPU runs; enabling graphs without CUDA raises.
 """
 from __future__ import annotations
@@ -76,10 +78,8 @@ def test_draft_graph_matches_eager_and_is_lossless(llama64_dir, tmp_path_factory
     seen = {"same": 0, "total": 0, "wrong_same": 0, "replays": 0}
     orig_run = DraftGraphRunner.run
 
-    def shadowed(self, committed, captured):
-        ids = orig_run(self, committed, captured)
-        if ids is None:
-            return None
+    def shadowed(self, committed, captured, plan):
+        ids = orig_run(self, committed, captured, plan)
         seen["replays"] += 1
         worker = self.shadow_worker
         live = [req for req, *_ in committed if not req.is_finished]
@@ -110,3 +110,30 @@ def test_draft_graph_matches_eager_and_is_lossless(llama64_dir, tmp_path_factory
     assert seen["total"] > 100
     assert seen["same"] / seen["total"] >= 0.9, seen
     assert seen["wrong_same"] / seen["total"] < 0.5, seen
+
+
+@gpu
+def test_split_steps_with_staggered_arrivals_are_lossless(llama64_dir, tmp_path_factory):
+    """More requests than the batch and different max_tokens: requests finish at different steps
+    and new prompts arrive next to verify segments, so target and draft steps split (graph group
+    + eager rest). Output == the no-spec graph engine's, token for token; graphs dominate."""
+    pytest.importorskip("flashinfer")
+    drafter = _drafter(tmp_path_factory, llama64_dir, "gqa")
+    prompts = PROMPTS + [p[::-1] for p in PROMPTS]
+    max_tokens = [40, 17, 29, 8, 33, 21, 12, 40, 25, 9, 31, 3]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
+    common = dict(device="cuda", attn_backend="FLASHINFER", max_batch_size=4, use_cuda_graph=True,
+                  kv_cache_config={"max_tokens": 8192, "tokens_per_block": 16})
+    with LLM(str(llama64_dir), **common) as llm:
+        baseline = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    spec = {"decoding_type": "DSpark", "speculative_model": str(drafter)}
+    with LLM(str(llama64_dir), speculative_config=spec, **common) as llm:
+        toks = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        target = llm._executor.engine.graph_runner
+        draft = llm._executor.spec.graph_runner
+        stats = llm._executor.spec.stats()["draft_cuda_graph"]
+    assert [len(t) for t in toks] == max_tokens
+    assert toks == baseline
+    assert target.num_split_steps > 0 and target.num_replays > target.num_eager_fallbacks
+    assert draft is not None and draft.num_split_steps > 0 and draft.num_replays > draft.num_eager_fallbacks
+    assert stats["split_steps"] == draft.num_split_steps > 0

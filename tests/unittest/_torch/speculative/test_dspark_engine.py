@@ -157,3 +157,63 @@ def test_unknown_drafter_backend_rejected(tiny_llama_dir, drafters):
     with pytest.raises(ValueError):
         LLM(str(tiny_llama_dir), device="cpu", kv_cache_config={"max_tokens": 512},
             speculative_config=_spec(drafters["mla"], attention_backend="FLASHINFER"))
+
+
+def _truncating_stats(max_tokens: list[int], k: int) -> tuple[list[int], int]:
+    """(accept histogram, drafted tokens) of an all-accepting oracle when drafts are truncated
+    to the tokens a request may still emit (the behaviour before drafts were kept at K)."""
+    hist, drafted = [0] * (k + 1), 0
+    for m in max_tokens:
+        out = 1                                   # the prefill's token
+        while out < m:
+            d = min(k, m - out)
+            hist[d] += 1
+            drafted += d
+            out += min(d + 1, m - out)
+    return hist, drafted
+
+
+def test_full_drafts_near_max_tokens_commit_capped(tiny_llama_dir, drafters, baseline, monkeypatch):
+    """Greedy requests keep all K drafts near max_tokens (their verify segment keeps the graph's
+    shape); accept caps the commit: exact lengths, tokens == no-spec greedy, and acceptance stats
+    equal those of truncated drafts. Negative control: the uncapped drafts' counts differ."""
+    from tensorrt_llm.llmapi.tokenizer import TokenizerWrapper
+    tk = TokenizerWrapper(tiny_llama_dir)
+    truth = {tuple(tk.encode(p)): t for p, t in zip(PROMPTS, baseline)}
+    orig_group, orig_accept = DSparkWorker._draft_group, DSparkWorker.accept
+    lengths, uncapped = [], {"hist": None, "drafted": 0}
+
+    def oracle(self, reqs, s, kv):                # drafts = the true future: all accepted
+        orig_group(self, reqs, s, kv)
+        for req in reqs:
+            k = len(req.draft_tokens)
+            lengths.append(k)
+            req.draft_tokens = truth[tuple(req.prompt_token_ids)][len(req.output_token_ids):][:k]
+
+    def counting_accept(self, req, rows, greedy_ids=None):
+        if uncapped["hist"] is None:
+            uncapped["hist"] = [0] * (self.max_draft_len + 1)
+        d = list(req.draft_tokens)
+        ids = greedy_ids if greedy_ids is not None else rows.argmax(-1).tolist()
+        a = next((i for i, (x, y) in enumerate(zip(d, ids)) if x != y), len(d))
+        uncapped["hist"][a] += 1
+        uncapped["drafted"] += len(d)
+        return orig_accept(self, req, rows, greedy_ids)
+
+    monkeypatch.setattr(DSparkWorker, "_draft_group", oracle)
+    monkeypatch.setattr(DSparkWorker, "accept", counting_accept)
+    max_tokens = [13, 11, 7, 16, 13, 2, 9, 18]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
+    toks, stats = _run(tiny_llama_dir, PROMPTS, params, speculative_config=_spec(drafters["gqa"]),
+                       max_batch_size=3)          # staggered: requests arrive as others finish
+    assert [len(t) for t in toks] == max_tokens
+    assert toks == [b[:m] for b, m in zip(baseline, max_tokens)]
+    k = max(lengths)
+    assert set(lengths) == {k} and k > 1          # never truncated near max_tokens
+    sp = stats["speculative"]
+    hist, drafted = _truncating_stats(max_tokens, k)
+    assert sp["accept_histogram"] == hist and sp["draft_tokens"] == drafted
+    assert sp["acceptance_length"] == pytest.approx(1 + sum(i * h for i, h in enumerate(hist)) / sum(hist))
+    # negative control: counting every drafted token (uncapped) gives other statistics
+    assert sum(uncapped["hist"]) == sum(hist)
+    assert uncapped["hist"] != hist and uncapped["drafted"] > drafted
