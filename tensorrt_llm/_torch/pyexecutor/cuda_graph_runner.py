@@ -225,15 +225,24 @@ class CUDAGraphRunner:
         """(indices of the segments that can replay, in step order; their `StepPlan`), or None
         when none can. Segments of another shape, with a slot beyond their owned pages, or
         beyond the largest bucket are left out (they run eagerly)."""
-        q, idx = graph_candidates([(len(s.token_ids), s.num_logits) for s in segments], self.token_counts)
-        if not idx:
+        if not segments:
             return None
-        rids = [segments[i].request_id for i in idx]
+        q = len(segments[0].token_ids)
+        if q in self.token_counts and all(len(s.token_ids) == q == s.num_logits for s in segments):
+            idx = list(range(len(segments)))     # the common case: one shape (host cost per step)
+        else:
+            q, idx = graph_candidates([(len(s.token_ids), s.num_logits) for s in segments], self.token_counts)
+            if not idx:
+                return None
+        group = segments if len(idx) == len(segments) else [segments[i] for i in idx]
+        rids = [s.request_id for s in group]
         rows = self.kv.rows(rids)
-        starts = np.fromiter((segments[i].start for i in idx), dtype=np.int64, count=len(idx))
+        starts = np.fromiter((s.start for s in group), dtype=np.int64, count=len(idx))
         slots = self.kv.slots_batch(rids, starts, q, rows=rows)
-        owned = (slots >= 0).all(axis=1)      # a write beyond owned pages: eager skips it
-        keep = np.flatnonzero(owned)[:self.buckets[-1]]
+        if len(idx) <= self.buckets[-1] and (slots >= 0).all():
+            return idx, StepPlan(self._bucket(len(idx)), q, slots, rows, starts)
+        # a write beyond owned pages: eager skips it; beyond the largest bucket: eager
+        keep = np.flatnonzero((slots >= 0).all(axis=1))[:self.buckets[-1]]
         if keep.shape[0] == 0:
             return None
         if keep.shape[0] < len(idx):

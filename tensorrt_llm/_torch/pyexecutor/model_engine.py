@@ -85,10 +85,11 @@ class ModelEngine:
         run = self.graph_runner.run(segments) if self.graph_runner is not None else None
         if run is None:
             return self._eager(segments)
+        if len(run.indices) == len(segments):
+            offsets = list(range(0, len(segments) * run.q, run.q))
+            return ForwardOutput(run.logits, offsets, run.captured, offsets)
         shapes = [(len(s.token_ids), s.num_logits) for s in segments]
         logits_offsets, token_offsets = stitched_offsets(shapes, run.indices, run.q)
-        if len(run.indices) == len(segments):
-            return ForwardOutput(run.logits, logits_offsets, run.captured, token_offsets)
         in_graph = set(run.indices)
         eager = self._eager([s for i, s in enumerate(segments) if i not in in_graph])
         return ForwardOutput(cat_rows(eager.logits, run.logits), logits_offsets,
