@@ -36,6 +36,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from ..attention_backend.flashinfer_backend import CUDA_GRAPH_SHAPE_KEY
@@ -65,8 +66,8 @@ class DraftPlan:
     """Host-side inputs of the graph group of a draft step (B requests)."""
 
     bucket: int
-    ctx_slots: list[list[int]]        # [B][q]
-    blk_slots: list[list[int]]        # [B][S]
+    ctx_slots: np.ndarray             # [B, q] int64, all >= 0
+    blk_slots: np.ndarray             # [B, S] int64, all >= 0
     new_ctx: list[int]                # [B] ctx' = start + accepted
     anchors: list[int]                # [B] block token 0
 
@@ -119,30 +120,34 @@ class DraftGraphRunner:
     def partition(self, committed: Sequence[tuple[LlmRequest, int, int, int]],
                   rows: Sequence[int]) -> tuple[list[int], Optional[DraftPlan]]:
         """(indices of the entries that can replay, in order; their `DraftPlan`), ([], None) when
-        none can. rows[i]: captured rows of committed[i]'s segment."""
+        none can. rows[i]: captured rows of committed[i]'s segment.
+
+        The per-entry checks are cheap Python; the context and block slots of all candidates
+        come from one `slots_batch` call each (no per-token Python).
+        """
         q, s = self.q, self.block_size
-        idx, ctx_slots, blk_slots, new_ctx, anchors = [], [], [], [], []
-        for i, ((req, _, start, n), r) in enumerate(zip(committed, rows)):
-            if len(idx) == self.buckets[-1]:
-                break
-            live = not req.is_finished
-            if r != q or not 1 <= n <= q or (live and (req.state != RequestState.GENERATION
-                                                        or not req.sampling_params.greedy)):
-                continue
-            cs = self.kv.slots(req.request_id, start, q)
-            bs = self.kv.slots(req.request_id, start + n, s)
-            if min(cs) < 0 or min(bs) < 0:
-                continue
-            idx.append(i)
-            ctx_slots.append(cs)
-            blk_slots.append(bs)
-            new_ctx.append(start + n)
-            anchors.append(req.token_at(start + n) if live and start + n < req.num_tokens
-                           else self.mask_token_id)
-        if not idx:
+        cand = [i for i, ((req, _, _, n), r) in enumerate(zip(committed, rows))
+                if r == q and 1 <= n <= q and (req.is_finished or (req.state == RequestState.GENERATION
+                                                                   and req.sampling_params.greedy))]
+        if not cand:
             return [], None
+        rids = [committed[i][0].request_id for i in cand]
+        starts = np.fromiter((committed[i][2] for i in cand), dtype=np.int64, count=len(cand))
+        new_ctx = starts + np.fromiter((committed[i][3] for i in cand), dtype=np.int64, count=len(cand))
+        table_rows = self.kv.rows(rids)
+        ctx = self.kv.slots_batch(rids, starts, q, rows=table_rows)
+        blk = self.kv.slots_batch(rids, new_ctx, s, rows=table_rows)
+        ok = np.flatnonzero((ctx >= 0).all(1) & (blk >= 0).all(1))[:self.buckets[-1]]
+        if not len(ok):
+            return [], None
+        idx = [cand[k] for k in ok.tolist()]
+        anchors = []
+        for i, c in zip(idx, new_ctx[ok].tolist()):
+            req = committed[i][0]
+            anchors.append(req.token_at(c) if not req.is_finished and c < req.num_tokens
+                           else self.mask_token_id)
         bucket = next(x for x in self.buckets if x >= len(idx))
-        return idx, DraftPlan(bucket, ctx_slots, blk_slots, new_ctx, anchors)
+        return idx, DraftPlan(bucket, ctx[ok], blk[ok], new_ctx[ok].tolist(), anchors)
 
     # ---- run -----------------------------------------------------------------------------
     @torch.inference_mode()

@@ -93,7 +93,8 @@ def test_partition_picks_graphable_entries():
     assert plan.new_ctx == [22, 24, 22, 14]
     assert plan.anchors == [committed[0][0].token_at(22), committed[2][0].token_at(24), 511,
                             committed[7][0].token_at(14)]
-    assert plan.ctx_slots[1] == kv.slots(2, 20, Q) and plan.blk_slots[1] == kv.slots(2, 24, S)
+    assert plan.ctx_slots.tolist() == [kv.slots(r, c, Q) for r, c in ((0, 20), (2, 20), (6, 20), (7, 10))]
+    assert plan.blk_slots.tolist() == [kv.slots(r, c, S) for r, c in ((0, 22), (2, 24), (6, 22), (7, 14))]
     idx, _ = _runner(kv, buckets=[1, 2]).partition(committed, rows)
     assert idx == [0, 2]                                                     # the largest bucket
     assert runner.partition(committed[1:2], rows[1:2]) == ([], None)
