@@ -20,16 +20,7 @@ from tensorrt_llm._torch.pyexecutor.cuda_graph_runner import GraphRun
 from tensorrt_llm._torch.pyexecutor.model_engine import ForwardSegment
 from tensorrt_llm._torch.pyexecutor.step_split import cat_rows, graph_candidates, stitched_offsets
 
-TOL = 2e-2
-NEG_MIN = 0.2
-
-
-def gpu(test):
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
+from test_cuda_graph import NEG_MIN, TOL, gpu, rel   # the GPU tolerances and helpers of the graph tests
 
 
 # ---- pure bookkeeping ----------------------------------------------------------------------
