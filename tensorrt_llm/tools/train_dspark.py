@@ -140,10 +140,16 @@ class TrainConfig(_Strict):
     eval_every: int = Field(default=200, ge=1, description="Steps between held-out evaluations.")
     checkpoint_every: int = Field(default=500, ge=1, description="Steps between checkpoints.")
     resume: bool = Field(default=True, description="Continue from <output_dir>/checkpoint when present.")
+    init_from: Optional[str] = Field(
+        default=None, description="Drafter folder (e.g. a shipped drafter) whose weights start the run "
+        "instead of a random init; its config must equal this config's drafter. Fresh optimizer and "
+        "schedule; ignored when resuming from a checkpoint. Lets training continue across sessions.")
     save_dtype: Literal["auto", "bfloat16", "float32"] = Field(
         default="auto", description="Drafter export dtype; auto = bfloat16 on CUDA, float32 on CPU.")
     device: Optional[str] = Field(
         default=None, description="'cuda', 'cuda:N' or 'cpu'; default CUDA if present.")
+
+    _paths = field_validator("init_from")(_expand)
 
 
 class DSparkTrainConfig(_Strict):
@@ -209,6 +215,19 @@ def build_drafter(cfg: DSparkTrainConfig, target_config) -> torch.nn.Module:
         num_attention_heads=d.num_attention_heads, intermediate_size=d.intermediate_size,
         block_size=d.block_size, target_layer_ids=list(d.target_layer_ids),
         mask_token_id=d.mask_token_id, markov_rank=d.markov_rank, **arch).train()
+
+
+def init_drafter_from(drafter: torch.nn.Module, folder: str, target) -> None:
+    """Copy the weights of the drafter saved at `folder` into `drafter` (same config, strict)."""
+    from .._torch.models.modeling_dspark import load_drafter
+    src = load_drafter(folder, target.config, torch.float32, torch.device("cpu"))
+    want, got = drafter.config.to_dict(), src.config.to_dict()
+    diff = {k: (got.get(k), want.get(k)) for k in sorted(set(want) | set(got)) if want.get(k) != got.get(k)}
+    if diff:
+        raise ValueError(f"train.init_from {folder}: drafter config differs from this config's "
+                         f"(key: (folder, config)) {diff}")
+    with torch.no_grad():
+        drafter.load_state_dict(src.state_dict(), strict=True)
 
 
 def export_drafter(drafter: torch.nn.Module, folder: Path, dtype: torch.dtype) -> int:
@@ -375,6 +394,9 @@ def train(cfg: DSparkTrainConfig, rows: list[dict],
     if t.resume and (ckpt / "state.pt").is_file():
         step, elapsed, history = _load_checkpoint(ckpt, drafter, opt, gen)
         logger.info("resumed from %s at step %d", ckpt, step)
+    elif t.init_from:
+        init_drafter_from(drafter, t.init_from, target)
+        logger.info("initialised the drafter from %s", t.init_from)
     budget = 60 * t.max_minutes if t.max_minutes else None
     last_eval: dict[str, float] = {}
     evaluated_at = -1

@@ -261,6 +261,25 @@ def test_train_end_to_end_loss_checkpoint_and_engine_load(tiny_target, tmp_path,
     assert regenerate(cfg) == rows
 
 
+def test_init_from_a_saved_drafter(tiny_target, tmp_path):
+    """train.init_from starts from a saved drafter's weights (its first loss is the trained level,
+    far below a random init's), and a drafter of another shape is refused by name."""
+    first = tiny_config(tiny_target, tmp_path / "a", "mla", steps=30, eval_every=30)
+    rows = regenerate(first)
+    trained = train(first, rows)
+    fresh = train(tiny_config(tiny_target, tmp_path / "b", "mla", steps=1, eval_every=1), rows)
+    cont_cfg = tiny_config(tiny_target, tmp_path / "c", "mla", steps=1, eval_every=1,
+                           init_from=str(tmp_path / "a" / "drafter"))
+    cont = train(cont_cfg, rows)
+    start = cont["history"][0]["loss"]
+    assert start < 0.5 * fresh["history"][0]["loss"]                      # negative control: random init
+    assert start < 1.5 * trained["final_loss"]
+    assert cont["eval_loss"] < 0.8 * fresh["eval_loss"]
+    other = tiny_config(tiny_target, tmp_path / "d", "gqa", steps=1, init_from=str(tmp_path / "a" / "drafter"))
+    with pytest.raises(ValueError, match="init_from .* differs"):
+        train(other, rows)
+
+
 def test_resume_continues_from_saved_step(tiny_target, tmp_path):
     whole = tiny_config(tiny_target, tmp_path / "whole", "gqa", steps=8, checkpoint_every=4, eval_every=4)
     rows = regenerate(whole)
