@@ -104,6 +104,19 @@ class TorchLlmArgs(StrictBaseModel):
     speculative_config: Optional[SpeculativeConfig] = Field(
         default=None, description="Speculative decoding; `decoding_type` selects the kind.")
     seed: int = Field(default=0, description="Default seed for sampling without a per-request seed.")
+    batch_wait_timeout_iters: int = Field(
+        default=0, ge=0,
+        description="Batch waiting: hold newly arrived context requests (prefill not started) for up to "
+        "this many iterations while generation requests are running, so that arrivals accumulate "
+        "into fewer prefill steps. Never waits when no request is generating, never delays a "
+        "started (chunked) prefill, and releases the held requests into a step that already has a "
+        "prefill in flight; after this many iterations the held requests are scheduled. "
+        "0 disables batch waiting (arrivals are scheduled at once).")
+    batch_wait_max_tokens_ratio: float = Field(
+        default=0.0, ge=0.0, le=1.0,
+        description="Batch waiting: stop holding as soon as the held requests' prompt tokens reach "
+        "this ratio x max_num_tokens. 0 disables the token threshold (only "
+        "batch_wait_timeout_iters ends a wait); > 0 needs batch_wait_timeout_iters > 0.")
 
     @model_validator(mode="after")
     def _check(self) -> "TorchLlmArgs":
@@ -112,6 +125,9 @@ class TorchLlmArgs(StrictBaseModel):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.max_num_tokens < self.max_batch_size and not self.enable_chunked_prefill:
             raise ValueError("max_num_tokens must be >= max_batch_size")
+        if self.batch_wait_max_tokens_ratio > 0 and self.batch_wait_timeout_iters == 0:
+            raise ValueError(f"batch_wait_max_tokens_ratio={self.batch_wait_max_tokens_ratio} only shortens "
+                             "a batch wait; it needs batch_wait_timeout_iters > 0")
         return self
 
     @classmethod

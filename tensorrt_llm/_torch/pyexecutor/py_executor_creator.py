@@ -96,7 +96,9 @@ def create_py_executor(args: TorchLlmArgs, tokenizer: TokenizerWrapper) -> Execu
     engine = ModelEngine(model, kv, backend, device, capture, use_cuda_graph=args.use_cuda_graph,
                          max_batch_size=args.max_batch_size, tokens_per_gen=tokens_per_gen)
     sched = Scheduler(kv, args.max_batch_size, max(args.max_num_tokens, tokens_per_gen),
-                      args.enable_chunked_prefill, tokens_per_gen, spec_slack=lookahead + tokens_per_gen)
+                      args.enable_chunked_prefill, tokens_per_gen, spec_slack=lookahead + tokens_per_gen,
+                      batch_wait_timeout_iters=args.batch_wait_timeout_iters,
+                      batch_wait_max_tokens_ratio=args.batch_wait_max_tokens_ratio)
     sampler = Sampler(args.seed, device)
     if spec_worker is not None:
         spec_worker.bind(kv, sampler)

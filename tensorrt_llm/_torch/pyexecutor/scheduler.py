@@ -7,6 +7,16 @@ request never waits for pages or gets preempted. Requests are admitted in arriva
 
 Micro-batch: generation requests first (one token each, or 1 + drafts with speculation),
 then prompt chunks fill the remaining `max_num_tokens` budget (chunked prefill).
+
+Batch waiting (TensorRT-LLM's `batch_wait_timeout_iters` / `batch_wait_max_tokens_ratio`): while
+requests are generating, newly arrived requests stay in the queue for up to N schedule calls so
+that several arrivals share one prefill step; a step with a prefill segment is a split step
+(eager prefill next to the generation graph), so fewer of them is faster overall. The wait ends
+for all held requests at once when N calls have passed since the oldest arrived, when their
+prompt tokens reach ratio x max_num_tokens, when nothing is generating (an idle engine starts at
+once), or when a prompt is already in flight (the step has a prefill segment anyway). Only
+requests not yet admitted are held, so a started (chunked) prefill is never delayed. Released
+requests are then admitted by the same reserve-or-wait rule, in arrival order.
 """
 from __future__ import annotations
 
@@ -32,15 +42,29 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, kv_manager: KVCacheManager, max_batch_size: int, max_num_tokens: int,
-                 enable_chunked_prefill: bool, tokens_per_gen_step: int, spec_slack: int):
+                 enable_chunked_prefill: bool, tokens_per_gen_step: int, spec_slack: int, *,
+                 batch_wait_timeout_iters: int = 0, batch_wait_max_tokens_ratio: float = 0.0):
+        if batch_wait_timeout_iters < 0:
+            raise ValueError(f"batch_wait_timeout_iters must be >= 0, got {batch_wait_timeout_iters}")
+        if not 0.0 <= batch_wait_max_tokens_ratio <= 1.0:
+            raise ValueError(f"batch_wait_max_tokens_ratio must be in [0, 1], got {batch_wait_max_tokens_ratio}")
+        if batch_wait_max_tokens_ratio > 0 and batch_wait_timeout_iters == 0:
+            raise ValueError("batch_wait_max_tokens_ratio > 0 needs batch_wait_timeout_iters > 0")
         self.kv = kv_manager
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
         self.chunked = enable_chunked_prefill
         self.tokens_per_gen_step = tokens_per_gen_step
         self.spec_slack = spec_slack
+        self.batch_wait_timeout_iters = batch_wait_timeout_iters
+        self.batch_wait_max_tokens_ratio = batch_wait_max_tokens_ratio
         self.waiting: deque[LlmRequest] = deque()
         self.running: list[LlmRequest] = []
+        # batch-waiting state: ids of queued requests whose wait is over (always a prefix of
+        # `waiting`: a release covers the whole queue, arrivals join at the tail), and the number
+        # of consecutive schedule() calls that held an arrival
+        self._released: set[int] = set()
+        self._held_iters = 0
 
     def add(self, req: LlmRequest) -> None:
         self.waiting.append(req)
@@ -49,24 +73,69 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _admit(self) -> None:
+    @property
+    def held_iters(self) -> int:
+        """Consecutive schedule() calls that have held the queued arrivals (0: none held)."""
+        return self._held_iters
+
+    def _held_prompt_tokens_reach(self, threshold: float) -> bool:
+        """Whether the unreleased (tail) arrivals' prompt tokens reach `threshold`; stops early."""
+        total = 0
+        for req in reversed(self.waiting):
+            if req.request_id in self._released:
+                break
+            total += req.prompt_len
+            if total >= threshold:
+                return True
+        return False
+
+    def _update_batch_wait(self, generating: bool, prompt_in_flight: bool) -> bool:
+        """Decide this call's batch wait; True when the unreleased arrivals are held this step."""
+        if not self.waiting:
+            self._released.clear()
+            self._held_iters = 0
+            return False
+        if self.waiting[-1].request_id in self._released:
+            return False                   # every queued request is already released
+        ratio = self.batch_wait_max_tokens_ratio
+        release = (not generating or prompt_in_flight
+                   or self._held_iters >= self.batch_wait_timeout_iters
+                   or (ratio > 0 and self._held_prompt_tokens_reach(ratio * self.max_num_tokens)))
+        if not release:
+            self._held_iters += 1
+            return True
+        for req in reversed(self.waiting):
+            if req.request_id in self._released:
+                break
+            self._released.add(req.request_id)
+        self._held_iters = 0
+        return False
+
+    def _admit(self, hold: bool) -> None:
+        released = self._released
         while self.waiting and len(self.running) < self.max_batch_size:
             req = self.waiting[0]
+            if hold and req.request_id not in released:
+                break
             reserve = req.reserve_tokens(self.spec_slack)
             if not self.kv.can_admit(req.prompt_token_ids, reserve):
                 break
             self.waiting.popleft()
+            released.discard(req.request_id)
             cached = self.kv.add_sequence(req.request_id, req.prompt_token_ids, reserve)
             req.num_computed = req.num_cached_prompt = cached
             req.state = RequestState.CONTEXT
             self.running.append(req)
 
     def schedule(self) -> ScheduledBatch:
-        self._admit()
+        gen = RequestState.GENERATION
+        gens = [r for r in self.running if r.state is gen]     # admission adds no generation request
+        hold = False
+        if self.batch_wait_timeout_iters:
+            hold = self._update_batch_wait(bool(gens), len(gens) < len(self.running))
+        self._admit(hold)
         batch = ScheduledBatch()
         budget = self.max_num_tokens
-        gen = RequestState.GENERATION
-        gens = [r for r in self.running if r.state is gen]
         # each generation request costs tokens_per_gen_step; the first that fit, in order
         take = min(len(gens), budget // self.tokens_per_gen_step)
         batch.generation_requests = gens if take == len(gens) else gens[:take]
@@ -98,3 +167,4 @@ class Scheduler:
     def abort_waiting(self, req: LlmRequest) -> None:
         if req in self.waiting:
             self.waiting.remove(req)
+            self._released.discard(req.request_id)

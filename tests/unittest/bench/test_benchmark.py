@@ -88,6 +88,19 @@ def test_build_llm_args_yaml(tiny_model, tmp_path):
         bm.build_llm_args(str(tiny_model), str(y), [1])
 
 
+def test_build_llm_args_batch_wait_knobs(tiny_model, tmp_path):
+    """Batch waiting is set only through the YAML (no CLI flag); bad values name the file."""
+    y = tmp_path / "wait.yaml"
+    y.write_text("batch_wait_timeout_iters: 4\nbatch_wait_max_tokens_ratio: 0.5\n")
+    a = bm.build_llm_args(str(tiny_model), str(y), [64])
+    assert (a.batch_wait_timeout_iters, a.batch_wait_max_tokens_ratio) == (4, 0.5)
+    off = bm.build_llm_args(str(tiny_model), None, [64])
+    assert (off.batch_wait_timeout_iters, off.batch_wait_max_tokens_ratio) == (0, 0.0)
+    y.write_text("batch_wait_timeout_iters: 4\nbatch_wait_max_tokens_ratio: 2.0\n")
+    with pytest.raises(ValueError, match="(?s)wait.yaml: invalid LLM args.*batch_wait_max_tokens_ratio"):
+        bm.build_llm_args(str(tiny_model), str(y), [64])
+
+
 # ---- the limiter and the stats on a fake LLM (no engine) ---------------------------------
 class _FakeLLM:
     """generate_async finishes each request after a few ms on a timer thread; tracks in-flight."""

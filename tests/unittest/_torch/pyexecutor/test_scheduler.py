@@ -2,13 +2,17 @@
 chunked prefill; and a tiny KV pool end to end where requests queue and still finish right."""
 from __future__ import annotations
 
+import pytest
 import torch
+import yaml
+from pydantic import ValidationError
 
 from tensorrt_llm import SamplingParams
 from tensorrt_llm._torch.pyexecutor.kv_cache_spec import KVCacheSpec
 from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, RequestState
 from tensorrt_llm._torch.pyexecutor.resource_manager import KVCacheManager
 from tensorrt_llm._torch.pyexecutor.scheduler import Scheduler
+from tensorrt_llm.llmapi.llm_args import TorchLlmArgs
 
 P = 16
 
@@ -142,3 +146,263 @@ def test_schedule_matches_reference_on_random_running_sets():
         got = ([r.request_id for r in batch.generation_requests], [r.request_id for r in batch.context_requests],
                batch.context_chunks)
         assert got == _ref_schedule(s.running, s.max_num_tokens, tpg, s.chunked)
+
+
+# ---- batch waiting (batch_wait_timeout_iters / batch_wait_max_tokens_ratio) ----------------
+def wait_setup(timeout=0, ratio=0.0, num_pages=64, max_batch_size=8, max_num_tokens=32, chunked=True):
+    spec = KVCacheSpec("target", "gqa", 1, 2, 1, 4, torch.float32)
+    kv = KVCacheManager([spec], num_pages, P, 256, torch.device("cpu"))
+    return kv, Scheduler(kv, max_batch_size, max_num_tokens, chunked, tokens_per_gen_step=1, spec_slack=1,
+                         batch_wait_timeout_iters=timeout, batch_wait_max_tokens_ratio=ratio)
+
+
+def simulate(s, arrivals: dict[int, list[LlmRequest]], max_steps=200):
+    """Drive `s` like the executor: arrivals join before step t's schedule(); a chunk advances
+    num_computed, the last chunk and each decode emit a token; returns the per-step trace
+    [(((rid, chunk), ...), (gen rid, ...))], the number of calls that held an arrival and the
+    step at which each request was admitted."""
+    trace, held, admitted = [], 0, {}
+    for t in range(max_steps):
+        for r in arrivals.get(t, []):
+            s.add(r)
+        if not s.has_work and t > max(arrivals, default=0):
+            break
+        batch = s.schedule()
+        held += s.held_iters > 0
+        for r in s.running:
+            admitted.setdefault(r.request_id, t)
+        trace.append((tuple((r.request_id, n) for r, n in zip(batch.context_requests, batch.context_chunks)),
+                      tuple(r.request_id for r in batch.generation_requests)))
+        for r, n in zip(batch.context_requests, batch.context_chunks):
+            r.num_computed += n
+            if r.num_computed >= r.prompt_len:
+                r.state = RequestState.GENERATION
+                r.output_token_ids.append(7)
+        for r in batch.generation_requests:
+            r.num_computed += 1
+            r.output_token_ids.append(7)
+        for r in batch.context_requests + batch.generation_requests:
+            if len(r.output_token_ids) >= r.sampling_params.max_tokens:
+                r.finish("length")
+        s.remove_finished()
+    return trace, held, admitted
+
+
+def first_step(trace) -> dict[int, int]:
+    """Step at which each request first gets a prefill chunk."""
+    out: dict[int, int] = {}
+    for t, (ctx, _) in enumerate(trace):
+        for rid, _ in ctx:
+            out.setdefault(rid, t)
+    return out
+
+
+def prefill_steps(trace) -> int:
+    return sum(1 for ctx, _ in trace if ctx)
+
+
+def test_arrivals_held_exactly_n_iterations_while_others_generate():
+    arrivals = lambda: {0: [req(0, 8, max_tokens=30)], 2: [req(1, 5)], 4: [req(2, 6)], 9: [req(3, 4)]}
+    _, s = wait_setup(timeout=4)
+    trace, held, _ = simulate(s, arrivals())
+    # 1 arrives at step 2 while 0 generates: held in steps 2, 3, 4, 5, scheduled in step 6
+    # together with 2 (arrived at 4); 3 arrives at 9: held 9..12, scheduled at 13
+    assert first_step(trace) == {0: 0, 1: 6, 2: 6, 3: 13}
+    assert held == 8 and prefill_steps(trace) == 3
+    for t in (2, 3, 4, 5, 9, 10, 11, 12):
+        assert trace[t][0] == () and trace[t][1], f"step {t} should be a pure generation step"
+    # negative control: knobs off, every arrival prefills in its own (split) step
+    _, s = wait_setup()
+    trace, held, _ = simulate(s, arrivals())
+    assert first_step(trace) == {0: 0, 1: 2, 2: 4, 3: 9} and held == 0 and prefill_steps(trace) == 4
+
+
+def test_held_arrivals_released_early_by_the_token_ratio():
+    def run(second_prompt_len: int) -> dict[int, int]:
+        _, s = wait_setup(timeout=6, ratio=0.5, max_num_tokens=32)     # threshold: 16 prompt tokens
+        return first_step(simulate(s, {0: [req(0, 4, max_tokens=30)], 2: [req(1, 6)],
+                                       3: [req(2, second_prompt_len)]})[0])
+    assert run(10) == {0: 0, 1: 3, 2: 3}          # 6 + 10 = 16 held tokens: released at once
+    assert run(9) == {0: 0, 1: 8, 2: 8}           # 15 < 16: the full 6-iteration wait
+
+
+def test_no_wait_when_nothing_is_generating():
+    _, s = wait_setup(timeout=50, max_num_tokens=8)
+    # an idle engine starts at once; 2 arrives while 0 and 1 are still prefilling (no generation)
+    trace, held, admitted = simulate(s, {0: [req(0, 20), req(1, 12)], 1: [req(2, 5)]})
+    assert held == 0 and s.kv.seqs == {}
+    assert admitted == {0: 0, 1: 0, 2: 1}         # admitted on arrival, nothing generating yet
+    assert trace[0] == (((0, 8),), ()) and trace[1] == (((0, 8),), ())
+
+
+def test_started_chunked_prefill_is_never_held():
+    _, s = wait_setup(timeout=50, max_num_tokens=8)
+    a, b = req(0, 3, max_tokens=40), req(1, 45)   # b's prompt needs 6-7 chunks
+    trace, _, _ = simulate(s, {0: [a, b], 3: [req(2, 4)]})
+    b_steps = [t for t, (ctx, _) in enumerate(trace) if any(rid == 1 for rid, _ in ctx)]
+    assert trace[1][1] == (0,)                    # a generates from step 1 on
+    assert b_steps == list(range(b_steps[0], b_steps[-1] + 1)) and len(b_steps) >= 6
+    # an arrival while a prompt is in flight rides along (that step has a prefill anyway)
+    assert first_step(trace)[2] <= b_steps[-1] + 1
+
+
+def test_released_request_blocked_on_kv_is_admitted_without_a_second_wait():
+    # 6 pages: 0 (4 pages, generates long) + 1 (2 pages, finishes after step 9) fill the pool
+    _, s = wait_setup(timeout=3, num_pages=6, max_num_tokens=48)
+    trace, _, admitted = simulate(s, {0: [req(0, 20, max_tokens=40), req(1, 20, max_tokens=10)],
+                                      1: [req(2, 20, max_tokens=10)], 8: [req(3, 4, max_tokens=4)]})
+    # 2's wait ends at step 4 but it has no pages until 1 is freed after step 9; 3 is then in its
+    # own wait (arrived at 8), which must not hold 2 back (FCFS: 2 is ahead of it)
+    assert admitted[2] == 10 and first_step(trace)[2] == 10
+    assert admitted[3] > 10
+
+
+def _today_reference(s, arrivals, max_steps=200):
+    """Today's admission (FCFS reserve-or-wait, no batch waiting) + `_ref_schedule`."""
+    trace = []
+    for t in range(max_steps):
+        for r in arrivals.get(t, []):
+            s.waiting.append(r)
+        if not s.waiting and not s.running and t > max(arrivals, default=0):
+            break
+        while s.waiting and len(s.running) < s.max_batch_size:
+            r = s.waiting[0]
+            reserve = r.reserve_tokens(s.spec_slack)
+            if not s.kv.can_admit(r.prompt_token_ids, reserve):
+                break
+            s.waiting.popleft()
+            r.num_computed = r.num_cached_prompt = s.kv.add_sequence(r.request_id, r.prompt_token_ids, reserve)
+            r.state = RequestState.CONTEXT
+            s.running.append(r)
+        gens, ctx, chunks = _ref_schedule(s.running, s.max_num_tokens, 1, s.chunked)
+        by_id = {r.request_id: r for r in s.running}
+        trace.append((tuple(zip(ctx, chunks)), tuple(gens)))
+        for rid, n in zip(ctx, chunks):
+            r = by_id[rid]
+            r.num_computed += n
+            if r.num_computed >= r.prompt_len:
+                r.state = RequestState.GENERATION
+                r.output_token_ids.append(7)
+        for rid in gens:
+            by_id[rid].num_computed += 1
+            by_id[rid].output_token_ids.append(7)
+        for rid in gens + ctx:
+            if len(by_id[rid].output_token_ids) >= by_id[rid].sampling_params.max_tokens:
+                by_id[rid].finish("length")
+        s.remove_finished()
+    return trace
+
+
+def _random_workload(rng, n):
+    arrivals: dict[int, list[LlmRequest]] = {}
+    for rid in range(n):
+        arrivals.setdefault(rng.randrange(0, 30), []).append(req(rid, rng.randrange(1, 40), rng.randrange(1, 12)))
+    return arrivals
+
+
+def test_knobs_off_schedule_is_todays_and_knobs_on_never_starves():
+    import copy
+    import random
+    rng = random.Random(1)
+    differs = 0
+    for trial in range(60):
+        arrivals = _random_workload(rng, rng.randrange(1, 14))
+        pages, mbs, mnt, chunked = rng.choice([8, 16, 64]), rng.randrange(1, 6), rng.randrange(8, 48), trial % 2 == 0
+        _, s = wait_setup(num_pages=pages, max_batch_size=mbs, max_num_tokens=mnt, chunked=chunked)
+        off, _, _ = simulate(s, copy.deepcopy(arrivals))
+        _, ref_s = wait_setup(num_pages=pages, max_batch_size=mbs, max_num_tokens=mnt, chunked=chunked)
+        assert off == _today_reference(ref_s, copy.deepcopy(arrivals)), f"trial {trial}"
+        n = rng.randrange(1, 6)
+        _, s = wait_setup(timeout=n, ratio=rng.choice([0.0, 0.5, 1.0]), num_pages=pages, max_batch_size=mbs,
+                          max_num_tokens=mnt, chunked=chunked)
+        on_arrivals = copy.deepcopy(arrivals)
+        reqs = [r for group in on_arrivals.values() for r in group]
+        on, _, admitted = simulate(s, on_arrivals)
+        assert all(r.is_finished for r in reqs) and s.kv.seqs == {}, f"trial {trial}: starved"
+        if pages == 64 and mbs >= len(reqs):     # ample capacity: the only delay is the wait itself
+            for t, group in arrivals.items():
+                for r in group:
+                    assert admitted[r.request_id] - t <= n, f"trial {trial}: request {r.request_id} held too long"
+        differs += on != off
+    assert differs > 10                            # negative control: the knobs do change schedules
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"batch_wait_timeout_iters": -1},
+    {"batch_wait_timeout_iters": 2, "batch_wait_max_tokens_ratio": 1.5},
+    {"batch_wait_timeout_iters": 2, "batch_wait_max_tokens_ratio": -0.1},
+    {"batch_wait_max_tokens_ratio": 0.5},          # a ratio without a timeout would never end a wait
+])
+def test_batch_wait_validation(kwargs):
+    with pytest.raises(ValidationError):
+        TorchLlmArgs(model="m", **kwargs)
+    with pytest.raises(ValueError, match="batch_wait"):
+        wait_setup(timeout=kwargs.get("batch_wait_timeout_iters", 0), ratio=kwargs.get("batch_wait_max_tokens_ratio", 0))
+    ok = TorchLlmArgs(model="m", batch_wait_timeout_iters=4, batch_wait_max_tokens_ratio=1.0)
+    assert (ok.batch_wait_timeout_iters, ok.batch_wait_max_tokens_ratio) == (4, 1.0)
+
+
+# ---- batch waiting in the engine ---------------------------------------------------------
+WAIT_PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
+WAIT_PROMPT_LENS = (12, 20, 9, 17, 26, 5, 33, 14)     # 2 at step 0, then one every 2 steps
+
+
+@pytest.fixture(scope="module")
+def wait_drafter(tmp_path_factory, tiny_llama_dir):
+    from tensorrt_llm._torch.models.checkpoint import read_config
+    from tensorrt_llm._torch.models.modeling_dspark import DSparkForCausalLMBase
+    from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
+    tc = LlamaConfig.from_dict(read_config(tiny_llama_dir), "target")
+    out = tmp_path_factory.mktemp("wait_drafter")
+    DSparkForCausalLMBase.random_init("gqa", tc, seed=3, markov_rank=4).save_pretrained(out)
+    return out
+
+
+def _staggered_run(llm) -> tuple[list[list[int]], int, int]:
+    """Arrivals between steps (2 at step 0, one every 2 steps after); returns the greedy tokens,
+    the number of steps with a prefill segment and the number of steps."""
+    import random
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 400) for _ in range(n)] for n in WAIT_PROMPT_LENS]
+    ex = llm._executor
+    ex.shutdown()                                   # drive the loop by hand
+    prefill_steps = [0]
+    orig = ex.scheduler.schedule
+
+    def schedule():
+        batch = orig()
+        prefill_steps[0] += bool(batch.context_requests)
+        return batch
+
+    ex.scheduler.schedule = schedule
+    handles = [llm.generate_async(p, WAIT_PARAMS) for p in prompts[:2]]
+    for p in prompts[2:]:
+        ex._drain_incoming()
+        ex.step()
+        ex.step()
+        handles.append(llm.generate_async(p, WAIT_PARAMS))
+    ex.run_until_idle()
+    return [h.result(timeout=0).outputs[0].token_ids for h in handles], prefill_steps[0], ex.iterations
+
+
+@pytest.mark.parametrize("drafter", [False, True])
+def test_batch_wait_in_engine_same_tokens_fewer_prefill_steps(tiny_llama_dir, make_llm, wait_drafter, tmp_path,
+                                                              drafter):
+    spec = {"speculative_config": {"decoding_type": "DSpark", "speculative_model": str(wait_drafter)}} \
+        if drafter else {}
+    common = dict(max_num_tokens=128, max_batch_size=8, **spec)
+    off_tokens, off_prefill, _ = _staggered_run(make_llm(tiny_llama_dir, **common))
+    # the knobs through the YAML path (`LLM(args.yaml)`, as `--extra-llm-api-options` reads them)
+    y = tmp_path / "args.yaml"
+    y.write_text(yaml.safe_dump({"model": str(tiny_llama_dir), "device": "cpu", "batch_wait_timeout_iters": 4,
+                                 "kv_cache_config": {"max_tokens": 4096, "tokens_per_block": 16}, **common}))
+    llm = make_llm(y)
+    assert llm._executor.scheduler.batch_wait_timeout_iters == 4
+    on_tokens, on_prefill, _ = _staggered_run(llm)
+    assert on_tokens == off_tokens and all(len(t) == 24 for t in on_tokens)
+    if not drafter:
+        # off: step 0 + one split step per arrival; on: step 0, then arrivals 2-4 at step 6 and
+        # 5-7 at step 12 (each group waits 4 iterations from its first arrival)
+        assert (off_prefill, on_prefill) == (7, 3)
+    else:
+        assert off_prefill == 7 and on_prefill <= 4, (off_prefill, on_prefill)
