@@ -14,6 +14,8 @@
 #   --num-prompts N   prompts to regenerate over all shards (default 40000)
 #   --max-new-tokens N  tokens the target generates per prompt (default 384)
 #   --min-steps N     floor of the shared step count (default 200)
+#   --init-from PREFIX  start each backbone from the drafter folder PREFIX<backbone> (e.g.
+#                     examples/models/smollm2-135m-dspark-) instead of a random init (train.init_from)
 #   -- ...            passed verbatim to every trtllm-train-dspark call (e.g. --set train.batch_size=8)
 #
 # With 2 GPUs: regeneration shard i runs on GPU i, then GQA trains on GPU 0 and MLA on GPU 1 at once.
@@ -22,7 +24,7 @@
 set -euo pipefail
 
 MODEL="" PROMPTS="" OUT=""
-MINUTES=8 GEN_MINUTES=2.5 NUM_PROMPTS=40000 MAX_NEW=384 MIN_STEPS=200
+MINUTES=8 GEN_MINUTES=2.5 NUM_PROMPTS=40000 MAX_NEW=384 MIN_STEPS=200 INIT_PREFIX=""
 EXTRA=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -34,8 +36,9 @@ while [[ $# -gt 0 ]]; do
     --num-prompts) NUM_PROMPTS="$2"; shift 2 ;;
     --max-new-tokens) MAX_NEW="$2"; shift 2 ;;
     --min-steps) MIN_STEPS="$2"; shift 2 ;;
+    --init-from) INIT_PREFIX="$2"; shift 2 ;;
     --) shift; EXTRA=("$@"); break ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -62,8 +65,10 @@ COMMON=(--target "$MODEL" "${SRC[@]}" --cache-file "$OUT/data/regen.jsonl"
 T0=$(date +%s)
 stamp() { echo "[train_on_h200 +$(( $(date +%s) - T0 ))s] $*"; }
 train() {  # train BACKBONE GPU OUTDIR STEPS [more args]
+  local init=()
+  [[ -n "$INIT_PREFIX" ]] && init=(--set "train.init_from=$(cd "$(dirname "$INIT_PREFIX$1")" && pwd)/$(basename "$INIT_PREFIX$1")")
   CUDA_VISIBLE_DEVICES=$2 "$PY" -m tensorrt_llm.tools.train_dspark --config "$REPO/examples/dspark/train_$1.yaml" \
-    --stage train --output-dir "$3" --steps "$4" "${COMMON[@]}" "${EXTRA[@]}" "${@:5}" 2>&1 \
+    --stage train --output-dir "$3" --steps "$4" "${COMMON[@]}" "${EXTRA[@]}" "${init[@]}" "${@:5}" 2>&1 \
     | grep -v "it/s\]" > "$3/train.log"
 }
 
