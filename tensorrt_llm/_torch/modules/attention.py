@@ -67,13 +67,13 @@ class Attention(nn.Module):
         """
         t = x.shape[0]
         if self._qkv is not None and kv is None:
-            nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = F.linear(x, *self._qkv).split([nq, nk, nk], dim=-1)
-            q = q.view(t, self.num_heads, self.head_dim)
-            k = k.view(t, self.num_kv_heads, self.head_dim)
-            v = v.view(t, self.num_kv_heads, self.head_dim)
+            nq, nk, hq = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_heads
+            qkv = F.linear(x, *self._qkv)
             cs = rope if rope is not None else self.rotary.cos_sin(positions)
-            q, k = self.rotary.apply(q, *cs), self.rotary.apply(k, *cs)
+            # q and k share positions: one RoPE call over [T, Hq + Hkv, D]
+            qk = self.rotary.apply(qkv[:, :nq + nk].view(t, hq + self.num_kv_heads, self.head_dim), *cs)
+            q, k = qk[:, :hq].contiguous(), qk[:, hq:]
+            v = qkv[:, nq + nk:].view(t, self.num_kv_heads, self.head_dim)
             o = backend.forward(q, k, v, kv_cache, metadata, self.scale)
             return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)

@@ -81,14 +81,18 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(max_positions, dtype=torch.float64)
         freqs = torch.outer(t, inv)                                   # [maxpos, d/2]
         # Plain attributes, not buffers: `model.to(bfloat16)` must not round the tables.
-        self._cos = (freqs.cos() * self.attention_factor).float()
-        self._sin = (freqs.sin() * self.attention_factor).float()
+        cos, sin = (freqs.cos() * self.attention_factor).float(), (freqs.sin() * self.attention_factor).float()
+        if interleaved:    # pairs (x[2i], x[2i+1]): half-width tables
+            self._cos, self._sin = cos, sin
+        else:              # halves: full-width tables, x * [cos|cos] + [x2|x1] * [-sin|sin]
+            self._cos, self._sin = torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)
         self.rot_dim = rot_dim
         self.interleaved = interleaved
         self.max_positions = max_positions
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> (cos, sin) [T, 1, rot_dim/2] float32; gather once per forward."""
+        """positions [T] -> (cos, sin) float32, gathered once per forward: [T, 1, rot_dim/2]
+        (interleaved) or the full-width signed tables [T, 1, rot_dim] (halves)."""
         if self._cos.device != positions.device:
             self._cos, self._sin = self._cos.to(positions.device), self._sin.to(positions.device)
         return self._cos[positions][:, None, :], self._sin[positions][:, None, :]
@@ -98,12 +102,16 @@ class RotaryEmbedding(nn.Module):
         return self.apply(x, *self.cos_sin(positions))
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [T, H, rot_dim] with (cos, sin) from `cos_sin` -> rotated x (same dtype)."""
+        """x: [T, H, rot_dim] with (cos, sin) from `cos_sin` -> rotated x (same dtype).
+
+        Several tensors sharing positions (q and k) can go through one call stacked on H.
+        """
         dtype, x = x.dtype, x.float()
         if self.interleaved:
             x1, x2 = x[..., 0::2], x[..., 1::2]
             o1, o2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
             return torch.stack((o1, o2), dim=-1).flatten(-2).to(dtype)
         half = self.rot_dim // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(dtype)
+        # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) in 5 kernels (a few fewer launches per layer)
+        swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+        return torch.addcmul(x * cos, swapped, sin).to(dtype)

@@ -114,3 +114,25 @@ def test_interleaved_equals_half_under_weight_permutation(scaling):
     # control: same weights without the permutation give different attention scores
     s_wrong, _ = scores(inter, wq, wk)
     assert float((s_wrong - s_half).abs().max()) > 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_half_rotation_matches_reference_and_stacks_heads(dtype):
+    """The 5-kernel half rotation equals the float64 reference; q and k stacked on H in one call
+    equal two separate calls exactly (what the fused attention path does)."""
+    d, theta = 64, 10000.0
+    rope = RotaryEmbedding(d, theta, 512)
+    g = torch.Generator().manual_seed(0)
+    pos = torch.randint(0, 512, (7,), generator=g)
+    q = torch.randn(7, 9, d, generator=g).to(dtype)
+    k = torch.randn(7, 3, d, generator=g).to(dtype)
+    inv, amp = rope_inv_freq(d, theta, None)
+    ref = ref_rope_half(q.double(), pos, inv, amp)
+    got = rope(q, pos)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert float((got.double() - ref).norm() / ref.norm()) < tol
+    bad = ref_rope_half(q.double(), pos + 1, inv, amp)            # negative control: positions off by one
+    assert float((got.double() - bad).norm() / bad.norm()) > 10 * tol
+    cs = rope.cos_sin(pos)
+    both = rope.apply(torch.cat((q, k), dim=1), *cs)
+    assert torch.equal(both[:, :9], rope.apply(q, *cs)) and torch.equal(both[:, 9:], rope.apply(k, *cs))
