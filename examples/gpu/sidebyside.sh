@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # old vs new no-spec FLASHINFER+graphs, same machine, back to back (+ a greedy-token check).
-# Layout: <dir>/snap_old and <dir>/snap_new (git archive of the two trees), this script in one of them;
+#   bash examples/gpu/sidebyside.sh DIR   (DIR/snap_old, DIR/snap_new: `git archive` of the two trees)
 # needs /tmp/site (flashinfer), the converted model and the MT-Bench wheel in /tmp/persist/ds/wheels.
 export PYTHONPATH=/tmp/site CUDA_HOME=/usr/local/cuda MAX_JOBS=16 FLASHINFER_WORKSPACE_BASE=/tmp/fiws PYTHONWARNINGS=ignore PYTHONUNBUFFERED=1
 M=$HOME/.cache/tensorrt_llm/models/smollm2-135m-instruct
 mkdir -p /tmp/yaml && printf "attn_backend: FLASHINFER\nuse_cuda_graph: true\nkv_cache_config: {max_tokens: 262144}\n" > /tmp/yaml/fi.yaml
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+ROOT=$(cd "${1:?usage: sidebyside.sh DIR (holding snap_old and snap_new)}" && pwd)
 for v in ${ORDER:-old new}; do
   cd $ROOT/snap_$v
   PYTHONPATH=/tmp/site:$PWD timeout 150 python3 -m tensorrt_llm.bench.benchmark --model $M --dataset mtbench --ignore-eos --dataset-cache-dir /tmp/persist/ds \
