@@ -11,7 +11,7 @@ The LLM is built once per arm and reused across concurrency levels. The HF basel
 same token ids through transformers' ``generate`` with batch size = C (static batching).
 
 Per row: requests/s, output tok/s, TTFT mean/p50/p99 (from submission, so it includes queueing),
-mean TPOT = (e2e - TTFT) / (output tokens - 1), peak KV pages in use (sampled every 10 ms) against
+mean TPOT = (e2e - TTFT) / (output tokens - 1), peak KV pages in use (exact high-water mark of the pool) against
 the pool capacity, and, with speculative decoding, the acceptance length (AL) of that level.
 """
 from __future__ import annotations
@@ -67,33 +67,6 @@ def _spec_delta(before: Optional[dict], after: Optional[dict]) -> Optional[dict]
             "acceptance_rate": accepted / drafted if drafted else None}
 
 
-class _KvMonitor:
-    """Samples pages in use every `period` seconds on a daemon thread; keeps the peak."""
-
-    def __init__(self, llm: LLM, period: float = 0.01):
-        self._llm, self._period = llm, period
-        self._stop = threading.Event()
-        self.peak_pages = 0
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def _sample(self) -> None:
-        kv = self._llm.get_stats()["kv_cache"]
-        self.peak_pages = max(self.peak_pages, kv["num_pages"] - kv["free_pages"])
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self._period):
-            self._sample()
-
-    def __enter__(self) -> "_KvMonitor":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sample()
-
-
 # ---- the engine arm ----------------------------------------------------------------------
 def run_concurrency(llm: LLM, prompts: Sequence[list[int]], concurrency: int,
                     params: SamplingParams) -> dict[str, Any]:
@@ -117,13 +90,14 @@ def run_concurrency(llm: LLM, prompts: Sequence[list[int]], concurrency: int,
 
     spec_before = llm.get_stats().get("speculative")
     threads = [threading.Thread(target=client, daemon=True) for _ in range(min(concurrency, len(prompts)))]
-    with _KvMonitor(llm) as kv_monitor:
-        start = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        elapsed = time.perf_counter() - start
+    llm.reset_kv_peak()
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    peak_pages = llm.get_stats()["kv_cache"]["peak_used_pages"]
     if failures:
         raise RuntimeError(f"{len(failures)} request(s) failed at concurrency {concurrency}") from failures[0]
     errors = [o.outputs[0].error for o in outputs if o.outputs[0].finish_reason == "error"]
@@ -140,7 +114,7 @@ def run_concurrency(llm: LLM, prompts: Sequence[list[int]], concurrency: int,
         "requests_per_s": len(prompts) / elapsed, "output_tok_s": sum(n_out) / elapsed,
         "ttft_mean_s": _mean(ttft), "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
         "tpot_mean_s": _mean(tpot), "e2e_mean_s": _mean(e2e),
-        "kv_peak_used_tokens": kv_monitor.peak_pages * cap["tokens_per_block"],
+        "kv_peak_used_tokens": peak_pages * cap["tokens_per_block"],
         "kv_capacity_tokens": cap["max_tokens"],
         "speculative": _spec_delta(spec_before, llm.get_stats().get("speculative")),
     }

@@ -60,6 +60,10 @@ class LLM:
             stats["speculative"] = self._executor.spec.stats()
         return stats
 
+    def reset_kv_peak(self) -> None:
+        """Restart get_stats()["kv_cache"]["peak_used_pages"], the most KV pages in use since."""
+        self._bundle.kv.reset_peak()
+
     # ---- generation --------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt)

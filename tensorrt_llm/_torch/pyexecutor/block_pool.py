@@ -50,16 +50,22 @@ class BlockPool:
         self.hash_to_block: dict[int, int] = {}
         self.enable_reuse = enable_reuse
         self.stats = PoolStats()
+        self.min_free = num_blocks      # low-water mark of the free queue since `reset_min_free`
 
     @property
     def num_free(self) -> int:
         return len(self.free_queue)
+
+    def reset_min_free(self) -> None:
+        """Restart the low-water mark `min_free` from the current free count."""
+        self.min_free = len(self.free_queue)
 
     def allocate(self) -> int:
         """Take the least recently freed block; its old hash (if any) is evicted."""
         if not self.free_queue:
             raise RuntimeError("KV block pool exhausted (scheduler reservation bug)")
         bid, _ = self.free_queue.popitem(last=False)
+        self.min_free = min(self.min_free, len(self.free_queue))
         blk = self.blocks[bid]
         if blk.block_hash is not None:
             if self.hash_to_block.get(blk.block_hash) == bid:
@@ -74,6 +80,7 @@ class BlockPool:
         blk = self.blocks[bid]
         if blk.ref_count == 0:
             self.free_queue.pop(bid)
+            self.min_free = min(self.min_free, len(self.free_queue))
         blk.ref_count += 1
 
     def release(self, bid: int) -> None:

@@ -251,6 +251,10 @@ class KVCacheManager:
         width = max(int(self._num_pages[rows].max()), 1) if len(rows) else 1
         return torch.from_numpy(self._table[rows, :width]).to(device or self.device)
 
+    def reset_peak(self) -> None:
+        """Restart report()["peak_used_pages"] (exact: tracked at every page allocation)."""
+        self.pool.reset_min_free()
+
     def wants_commit(self, req_id: int, num_committed: int) -> bool:
         """Cheap check: could `commit` publish a new block now? (lets callers skip building tokens)"""
         seq = self.seqs[req_id]
@@ -319,6 +323,7 @@ class KVCacheManager:
             "tokens_per_block": p, "num_pages": self.num_pages, "max_tokens": self.max_tokens,
             "bytes_per_token_total": sum(s.bytes_per_token for s in self.specs.values()),
             "pools": pools, "free_pages": self.pool.num_free, "active_sequences": len(self.seqs),
+            "peak_used_pages": self.num_pages - self.pool.min_free,   # since the last reset_peak()
             "reuse": {"enabled": self.pool.enable_reuse, "lookups_blocks": st.lookups_blocks,
                       "hit_blocks": st.hit_blocks, "draft_hit_blocks": st.draft_hit_blocks,
                       "draft_recompute_blocks": st.draft_recompute_blocks,

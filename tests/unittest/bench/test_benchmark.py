@@ -106,20 +106,25 @@ class _FakeLLM:
     """generate_async finishes each request after a few ms on a timer thread; tracks in-flight."""
 
     def __init__(self):
-        self.in_flight = self.peak = self.submitted = 0
+        self.in_flight = self.peak = self.submitted = self.kv_peak = 0
         self.lock = threading.Lock()
         self.capacity_report = {"tokens_per_block": 32, "max_tokens": 1024}
 
+    def reset_kv_peak(self):            # one KV page per request in flight
+        with self.lock:
+            self.kv_peak = self.in_flight
+
     def get_stats(self):
         with self.lock:
-            used = self.in_flight
-        return {"kv_cache": {"num_pages": 32, "free_pages": 32 - used}}
+            return {"kv_cache": {"num_pages": 32, "free_pages": 32 - self.in_flight,
+                                 "peak_used_pages": self.kv_peak}}
 
     def generate_async(self, ids, params):
         with self.lock:
             self.in_flight += 1
             self.submitted += 1
             self.peak = max(self.peak, self.in_flight)
+            self.kv_peak = max(self.kv_peak, self.in_flight)
         done = threading.Event()
         out = SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1] * params.max_tokens, finish_reason="length",
                                                        error=None)], metrics={})
@@ -140,7 +145,7 @@ def test_run_concurrency_caps_in_flight(c):
     row = bm.run_concurrency(llm, [[1, 2, 3]] * 10, c, SamplingParams(max_tokens=5))
     assert llm.submitted == 10 and llm.peak == min(c, 10)
     assert row["num_requests"] == 10 and row["output_tokens"] == 50 and row["input_tokens"] == 30
-    assert row["kv_peak_used_tokens"] <= 32 * min(c, 10) and row["kv_capacity_tokens"] == 1024
+    assert row["kv_peak_used_tokens"] == 32 * min(c, 10) and row["kv_capacity_tokens"] == 1024
 
 
 def test_percentile_and_spec_delta():

@@ -70,3 +70,26 @@ def test_register_is_noop_without_reuse():
 def test_zero_blocks_rejected():
     with pytest.raises(ValueError):
         BlockPool(0, enable_reuse=False)
+
+
+def test_min_free_is_the_exact_low_water_mark():
+    """min_free follows every allocation (and a touch of an idle cached block), never a release;
+    reset_min_free restarts it from the current free count."""
+    pool = BlockPool(8, enable_reuse=True)
+    a = [pool.allocate() for _ in range(5)]
+    for b in a[:4]:
+        pool.release(b)
+    assert pool.num_free == 7 and pool.min_free == 3          # peak of 5 in use, gone by now
+    pool.reset_min_free()
+    assert pool.min_free == 7                                 # negative control: not the old peak
+    pool.register(a[4], 123, (1, 2))
+    pool.release(a[4])
+    pool.reset_min_free()
+    assert pool.min_free == 8
+    pool.touch(a[4])                                          # an idle cached block leaves the queue
+    assert pool.min_free == 7
+    pool.release(a[4])
+    c = [pool.allocate() for _ in range(3)]
+    for b in c:
+        pool.release(b)
+    assert pool.num_free == 8 and pool.min_free == 5
