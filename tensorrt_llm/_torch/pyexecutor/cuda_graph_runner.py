@@ -239,13 +239,12 @@ class CUDAGraphRunner:
         rows = self.kv.rows(rids)
         starts = np.fromiter((s.start for s in group), dtype=np.int64, count=len(idx))
         slots = self.kv.slots_batch(rids, starts, q, rows=rows)
-        if len(idx) <= self.buckets[-1] and (slots >= 0).all():
-            return idx, StepPlan(self._bucket(len(idx)), q, slots, rows, starts)
-        # a write beyond owned pages: eager skips it; beyond the largest bucket: eager
-        keep = np.flatnonzero((slots >= 0).all(axis=1))[:self.buckets[-1]]
-        if keep.shape[0] == 0:
-            return None
-        if keep.shape[0] < len(idx):
+        owned = (slots >= 0).all(axis=1)
+        if len(idx) > self.buckets[-1] or not owned.all():
+            # a write beyond owned pages: eager skips it; beyond the largest bucket: eager
+            keep = np.flatnonzero(owned)[:self.buckets[-1]]
+            if keep.shape[0] == 0:
+                return None
             idx = [idx[k] for k in keep.tolist()]
             slots, rows, starts = slots[keep], rows[keep], starts[keep]
         return idx, StepPlan(self._bucket(len(idx)), q, slots, rows, starts)
