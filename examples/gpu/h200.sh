@@ -17,6 +17,7 @@
 #             GPU tests meanwhile (they JIT-compile the flashinfer kernels into /tmp/fiws)
 #   eval    : waits for training; AL tables (T=0 all sets, T=0.7 first 40) on GPU 0 while the HF
 #             transformers arm runs on GPU 1; returns the MLA drafter
+#   fetch   : B=gqa|mla: returns that trained drafter (tar parts)
 #   bench   : throughput table (no-spec FLASHINFER+graphs, DSpark MLA / GQA, VANILLA); extras;
 #             returns the GQA drafter
 set -uo pipefail
@@ -84,8 +85,8 @@ eval)
   for b in gqa mla; do cp $RUNS/$b/training_log.json $OUT/${b}_training_log.json; done
   cp $RUNS/steps.txt $RUNS/data/regen.shard0.meta.json $OUT/ 2>/dev/null
   mkdir -p /tmp/yaml && printf "attn_backend: FLASHINFER\nuse_cuda_graph: true\nkv_cache_config: {max_tokens: 262144}\n" > /tmp/yaml/fi.yaml
-  # HF transformers arm on GPU 1 (static cache + its torch.compile) while GPU 0 measures AL
-  CUDA_VISIBLE_DEVICES=1 timeout ${HF_S:-420} python3 -m tensorrt_llm.bench.benchmark --model $M --dataset mtbench --ignore-eos \
+  # HF transformers arm on GPU 1 (static cache + its torch.compile) while GPU 0 measures AL; HF_S=0 skips it
+  [[ ${HF_S:-420} -gt 0 ]] && CUDA_VISIBLE_DEVICES=1 timeout ${HF_S:-420} python3 -m tensorrt_llm.bench.benchmark --model $M --dataset mtbench --ignore-eos \
     --dataset-cache-dir /tmp/persist/ds --num-requests 64 --extra-llm-api-options /tmp/yaml/fi.yaml --waves 1 --max-tokens 256 \
     --concurrency 1 16 64 --hf-baseline --hf-static-cache --json $OUT/bench_hf.json > /tmp/hf.log 2>&1 &
   HF=$!
@@ -93,12 +94,14 @@ eval)
     --prompts-file /tmp/persist/eval_prompts.json --concurrency 64 --cuda-graph --attn-backend FLASHINFER --kv-max-tokens 262144"
   CUDA_VISIBLE_DEVICES=0 timeout ${AL_S:-300} $AL --temperature 0 --max-tokens 256 --json $OUT/eval_al_t0.json 2>&1 | grep -v "^\[" | tail -14
   stamp "AL T=0 done"
-  CUDA_VISIBLE_DEVICES=0 timeout ${AL7_S:-150} $AL --temperature 0.7 --limit 40 --max-tokens 128 --json $OUT/eval_al_t07.json 2>&1 | grep -v "^\[" | tail -14
+  [[ ${AL7_S:-150} -gt 0 ]] && CUDA_VISIBLE_DEVICES=0 timeout ${AL7_S:-150} $AL --temperature 0.7 --limit 40 --max-tokens 128 --json $OUT/eval_al_t07.json 2>&1 | grep -v "^\[" | tail -14
   stamp "AL T=0.7 done"
-  wait $HF; grep "^|" /tmp/hf.log | tail -8; tail -n 3 /tmp/hf.log
+  wait $HF; grep "^|" /tmp/hf.log 2>/dev/null | tail -8; tail -n 3 /tmp/hf.log 2>/dev/null
   stamp "hf"
   (cd $RUNS/mla/drafter && tar cf /tmp/mla.tar .) && split_out /tmp/mla.tar mla_tar_
   stamp "eval done" ;;
+fetch)  # B=gqa|mla: the trained drafter folder as tar parts in $OUT
+  (cd $RUNS/${B:?B=gqa or mla}/drafter && tar cf /tmp/$B.tar .) && split_out /tmp/$B.tar ${B}_tar_ ;;
 *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
 stamp "end"
