@@ -14,8 +14,11 @@
 #   --num-prompts N   prompts to regenerate over all shards (default 40000)
 #   --max-new-tokens N  tokens the target generates per prompt (default 384)
 #   --min-steps N     floor of the shared step count (default 200)
-#   --init-from PREFIX  start each backbone from the drafter folder PREFIX<backbone> (e.g.
-#                     examples/models/smollm2-135m-dspark-) instead of a random init (train.init_from)
+#   --steps N         the shared step count itself (no probe; exact reruns)
+#   --skip-prompts N  skip the first N qualifying prompts (fresh data when continuing with --init-from)
+#   --init-from SRC   start each backbone from a trained drafter instead of a random init
+#                     (train.init_from): SRC/<backbone>/drafter when SRC is an earlier --out of this
+#                     script, else the folder SRC<backbone> (e.g. examples/models/smollm2-135m-dspark-)
 #   -- ...            passed verbatim to every trtllm-train-dspark call (e.g. --set train.batch_size=8)
 #
 # With 2 GPUs: regeneration shard i runs on GPU i, then GQA trains on GPU 0 and MLA on GPU 1 at once.
@@ -24,7 +27,7 @@
 set -euo pipefail
 
 MODEL="" PROMPTS="" OUT=""
-MINUTES=8 GEN_MINUTES=2.5 NUM_PROMPTS=40000 MAX_NEW=384 MIN_STEPS=200 INIT_PREFIX=""
+MINUTES=8 GEN_MINUTES=2.5 NUM_PROMPTS=40000 MAX_NEW=384 MIN_STEPS=200 INIT_PREFIX="" SKIP=0 FIXED_STEPS=""
 EXTRA=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -36,9 +39,11 @@ while [[ $# -gt 0 ]]; do
     --num-prompts) NUM_PROMPTS="$2"; shift 2 ;;
     --max-new-tokens) MAX_NEW="$2"; shift 2 ;;
     --min-steps) MIN_STEPS="$2"; shift 2 ;;
+    --steps) FIXED_STEPS="$2"; shift 2 ;;
     --init-from) INIT_PREFIX="$2"; shift 2 ;;
+    --skip-prompts) SKIP="$2"; shift 2 ;;
     --) shift; EXTRA=("$@"); break ;;
-    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -60,13 +65,15 @@ gpu_of() { if [[ "$NGPU" -ge 2 ]]; then echo "$1"; else echo 0; fi; }
 SRC=(--prompts-file "$PROMPTS")
 [[ "$PROMPTS" == *.whl ]] && SRC=(--sharegpt "$PROMPTS")
 COMMON=(--target "$MODEL" "${SRC[@]}" --cache-file "$OUT/data/regen.jsonl"
-        --num-prompts "$NUM_PROMPTS" --max-new-tokens "$MAX_NEW"
+        --num-prompts "$NUM_PROMPTS" --max-new-tokens "$MAX_NEW" --set "data.skip_prompts=$SKIP"
         --set data.num_shards=2 --set "data.max_gen_minutes=$GEN_MINUTES")
 T0=$(date +%s)
 stamp() { echo "[train_on_h200 +$(( $(date +%s) - T0 ))s] $*"; }
 train() {  # train BACKBONE GPU OUTDIR STEPS [more args]
   local init=()
-  [[ -n "$INIT_PREFIX" ]] && init=(--set "train.init_from=$(cd "$(dirname "$INIT_PREFIX$1")" && pwd)/$(basename "$INIT_PREFIX$1")")
+  local src="$INIT_PREFIX$1"
+  [[ -n "$INIT_PREFIX" && -d "$INIT_PREFIX/$1/drafter" ]] && src="$INIT_PREFIX/$1/drafter"
+  [[ -n "$INIT_PREFIX" ]] && init=(--set "train.init_from=$(cd "$src" && pwd)")
   CUDA_VISIBLE_DEVICES=$2 "$PY" -m tensorrt_llm.tools.train_dspark --config "$REPO/examples/dspark/train_$1.yaml" \
     --stage train --output-dir "$3" --steps "$4" "${COMMON[@]}" "${EXTRA[@]}" "${init[@]}" "${@:5}" 2>&1 \
     | grep -v "it/s\]" > "$3/train.log"
@@ -81,25 +88,31 @@ done
 wait
 tail -n 2 "$OUT/data/data0.log" "$OUT/data/data1.log"
 
-stamp "probing step time (30 steps each, side by side)"
-for b in gqa mla; do
-  mkdir -p "$OUT/probe/$b"
-  train $b "$(gpu_of $([[ $b == gqa ]] && echo 0 || echo 1))" "$OUT/probe/$b" 30 --set train.eval_every=1000 &
-done
-wait
-STEPS=$("$PY" - "$OUT" "$MINUTES" "$MIN_STEPS" <<'EOF'
+if [[ -n "$FIXED_STEPS" ]]; then
+  STEPS=$FIXED_STEPS
+else
+  stamp "probing step time (30 steps each, side by side)"
+  for b in gqa mla; do
+    mkdir -p "$OUT/probe/$b"
+    train $b "$(gpu_of $([[ $b == gqa ]] && echo 0 || echo 1))" "$OUT/probe/$b" 30 --set train.eval_every=1000 &
+  done
+  wait
+  STEPS=$("$PY" - "$OUT" "$MINUTES" "$MIN_STEPS" <<'EOF'
 import json, sys
 from pathlib import Path
 out, minutes, floor = Path(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
-# steady-state step time: the last 20 probe steps (the first ones include warm-up)
+# steady-state step time: the median step of the last 20 probe steps. Their mean over-estimated the
+# run's step time 2x on 2026-11-30 (probe 242 ms, run 111 ms; slow outlier steps, cause not measured).
 times = []
 for b in ("gqa", "mla"):
     h = json.loads((out / "probe" / b / "training_log.json").read_text())["history"]
-    times.append((h[-1]["time_s"] - h[9]["time_s"]) / (len(h) - 10))
+    dts = sorted(h[i]["time_s"] - h[i - 1]["time_s"] for i in range(10, len(h)))
+    times.append(dts[len(dts) // 2])
 print(max(floor, int(0.93 * minutes * 60 / max(times))))
 print(f"probe step times gqa {times[0]*1000:.0f} ms, mla {times[1]*1000:.0f} ms", file=sys.stderr)
 EOF
-)
+  )
+fi
 echo "$STEPS" > "$OUT/steps.txt"
 stamp "training gqa and mla for $STEPS steps each"
 train gqa "$(gpu_of 0)" "$OUT/gqa" "$STEPS" &

@@ -12,7 +12,8 @@
 #   install : wheels -> /tmp/site (+ prebuilt kernels from .whl_gpu/aot/*.so if present)
 #   train   : GGUF -> HF folder; starts examples/dspark/train_on_h200.sh detached (regeneration on
 #             both GPUs, probe, GQA + MLA training side by side); returns at once. INIT=1 continues
-#             from the drafters of the `drafter` stage (train.init_from); TRAIN_MIN sets the box
+#             from the drafters of the `drafter` stage (train.init_from); TRAIN_MIN sets the box;
+#             SKIP=N skips the first N prompts (fresh ones for a continued run)
 #   wait    : progress of the detached training (keeps the machine warm); TESTS=1 also runs the
 #             GPU tests meanwhile (they JIT-compile the flashinfer kernels into /tmp/fiws)
 #   eval    : waits for training; AL tables (T=0 all sets, T=0.7 first 40) on GPU 0 while the HF
@@ -53,7 +54,7 @@ train)
   rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r tensorrt_llm examples /tmp/repo/   # frozen copy for the detached run
   cd /tmp/repo && PYTHONPATH=/tmp/site:/tmp/repo setsid nohup bash examples/dspark/train_on_h200.sh --model $M \
     --prompts /tmp/persist/prompts.json.gz --out $RUNS --minutes ${TRAIN_MIN:-8} --gen-minutes ${GEN_MIN:-3} \
-    --num-prompts ${NUM_PROMPTS:-40000} ${INIT:+--init-from /tmp/persist/drafters/smollm2-135m-dspark-} \
+    --num-prompts ${NUM_PROMPTS:-40000} --skip-prompts ${SKIP:-0} ${INIT:+--init-from /tmp/persist/drafters/smollm2-135m-dspark-} \
     -- --set data.attn_backend=FLASHINFER --set data.use_cuda_graph=true \
     > /tmp/train_all.log 2>&1 < /dev/null &
   sleep 20; progress ;;

@@ -62,7 +62,8 @@ def export_prompts(sharegpt: Optional[str], out: Path, turns: str) -> int:
 
 
 def select_prompts(data: DataConfig, tokenizer) -> list[list[int]]:
-    """`num_prompts` distinct chat-templated prompts (token ids) of <= max_prompt_tokens tokens."""
+    """`num_prompts` distinct chat-templated prompts (token ids) of <= max_prompt_tokens tokens,
+    after skipping the first `skip_prompts` qualifying ones."""
     if data.prompts_file:
         path = Path(data.prompts_file)
         raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
@@ -89,13 +90,15 @@ def select_prompts(data: DataConfig, tokenizer) -> list[list[int]]:
         batch.append(text)
         if len(batch) == 512:
             flush()
-            if len(out) >= data.num_prompts:
+            if len(out) >= data.skip_prompts + data.num_prompts:
                 break
-    if batch and len(out) < data.num_prompts:
+    if batch and len(out) < data.skip_prompts + data.num_prompts:
         flush()
-    del out[data.num_prompts:]
+    qualifying = len(out)
+    out = out[data.skip_prompts:data.skip_prompts + data.num_prompts]
     if not out:
-        raise ValueError("no prompt fits data.max_prompt_tokens")
+        raise ValueError(f"no prompt left: {qualifying} fit data.max_prompt_tokens and "
+                         f"data.skip_prompts={data.skip_prompts} skips them")
     if len(out) < data.num_prompts:
         logger.warning("only %d prompts qualify (%d asked)", len(out), data.num_prompts)
     return out
@@ -106,7 +109,8 @@ def _data_meta(cfg: DSparkTrainConfig) -> dict[str, Any]:
     return {"target": str(Path(cfg.target).resolve()),
             "source": d.prompts_file or d.sharegpt_file or "sharegpt",
             "human_turns": None if d.prompts_file else d.human_turns,
-            "num_prompts": d.num_prompts, "max_prompt_tokens": d.max_prompt_tokens,
+            "num_prompts": d.num_prompts, "skip_prompts": d.skip_prompts,
+            "max_prompt_tokens": d.max_prompt_tokens,
             "max_new_tokens": d.max_new_tokens, "temperature": d.temperature,
             "seed": cfg.train.seed if d.temperature > 0 else None, "num_shards": d.num_shards}
 

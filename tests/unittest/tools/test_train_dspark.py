@@ -399,5 +399,61 @@ def test_sharegpt_turns_export_and_prompt_selection(tiny_target, tmp_path):
     want = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts[:3]]
     assert got == want                                        # the long 4th prompt is dropped
     assert select_prompts(data.model_copy(update={"num_prompts": 2}), tok) == want[:2]
-    with pytest.raises(ValueError, match="no prompt fits"):
+    # skip_prompts: the next fresh prompts after the first ones (skips qualifying prompts only)
+    assert select_prompts(data.model_copy(update={"num_prompts": 1, "skip_prompts": 1}), tok) == want[1:2]
+    assert select_prompts(data.model_copy(update={"skip_prompts": 2}), tok) == want[2:]
+    with pytest.raises(ValueError, match="skip_prompts=3"):
+        select_prompts(data.model_copy(update={"skip_prompts": 3}), tok)
+    with pytest.raises(ValueError, match="no prompt left"):
         select_prompts(data.model_copy(update={"max_prompt_tokens": 8}), tok)
+
+
+# ---- the two-GPU driver script, on CPU -----------------------------------------------------
+TINY_SETS = ["--set", "drafter.num_hidden_layers=1", "--set", "drafter.num_attention_heads=4",
+             "--set", "drafter.intermediate_size=96", "--set", "drafter.block_size=4",
+             "--set", "drafter.target_layer_ids=[0, 1]", "--set", f"drafter.mask_token_id={MASK_ID}",
+             "--set", "drafter.markov_rank=4", "--set", "drafter.gqa.num_key_value_heads=2",
+             "--set", "drafter.gqa.head_dim=16", "--set", "drafter.mla.kv_lora_rank=32",
+             "--set", "drafter.mla.qk_rope_head_dim=8", "--set", "drafter.mla.qk_nope_head_dim=16",
+             "--set", "drafter.mla.v_head_dim=16", "--set", "data.max_prompt_tokens=64",
+             "--set", "data.max_new_tokens=12", "--set", "data.gen_batch=4", "--set", "train.device=cpu",
+             "--set", "train.batch_size=2", "--set", "train.anchors_per_seq=4", "--set", "train.warmup_steps=1",
+             "--set", "train.eval_every=1000"]
+
+
+def test_train_on_h200_script_rounds_on_cpu(tiny_target, tmp_path):
+    """examples/dspark/train_on_h200.sh: a probed first round, then a round that continues from it
+    (--init-from <earlier --out>) on fresh prompts (--skip-prompts) with a fixed step count."""
+    import subprocess
+    import sys
+
+    from tensorrt_llm._torch.models import load_target_model
+    script = Path(__file__).resolve().parents[3] / "examples" / "dspark" / "train_on_h200.sh"
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "PYTHON": sys.executable,
+           "CUDA_VISIBLE_DEVICES": "", "HOME": str(tmp_path)}
+
+    def run(out: str, *args: str) -> None:
+        cmd = ["bash", str(script), "--model", str(tiny_target), "--prompts", str(tiny_target / "prompts.json"),
+               "--out", str(tmp_path / out), "--num-prompts", "6", "--max-new-tokens", "12", *args,
+               "--", *TINY_SETS]
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+
+    run("r0", "--minutes", "0.001", "--min-steps", "3")
+    assert int((tmp_path / "r0" / "steps.txt").read_text()) == 3          # probe -> the floor
+    run("r1", "--steps", "2", "--skip-prompts", "6", "--init-from", str(tmp_path / "r0"))
+    assert not (tmp_path / "r1" / "probe" / "gqa" / "training_log.json").exists()
+    prompts = {}
+    for r in ("r0", "r1"):
+        rows = [json.loads(line) for f in sorted((tmp_path / r / "data").glob("regen.shard*.jsonl"))
+                for line in f.read_text().splitlines()]
+        prompts[r] = {tuple(x["prompt_ids"]) for x in rows}
+        assert len(prompts[r]) == 6
+    assert not prompts["r0"] & prompts["r1"]                               # fresh prompts
+    target_config = load_target_model(tiny_target, torch.float32, torch.device("cpu")).config
+    for b in ("gqa", "mla"):
+        log = json.loads((tmp_path / "r1" / b / "training_log.json").read_text())
+        assert log["steps"] == 2
+        assert log["config"]["train"]["init_from"] == str(tmp_path / "r0" / b / "drafter")
+        assert log["config"]["data"]["skip_prompts"] == 6
+        load_drafter(tmp_path / "r1" / b / "drafter", target_config, torch.float32, torch.device("cpu"))
