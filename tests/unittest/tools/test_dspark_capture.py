@@ -62,3 +62,22 @@ def test_capture_rejects_bad_input(target):
         TargetCapture(target, [0], "flash")
     with pytest.raises(ValueError, match="non-empty"):
         TargetCapture(target, [0])([[1, 2], []])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_dense_equals_paged_cuda_bf16(target):
+    """On CUDA in bf16 the dense path runs flash attention; it must still match the paged reference."""
+    model = LlamaForCausalLM(target.config).to("cuda", torch.bfloat16).eval()
+    model.load_state_dict(target.state_dict())
+    model.fuse_projections()
+    seqs = _seqs([200, 77, 256, 9], seed=3)
+    dense, _, _ = TargetCapture(model, LAYERS, "dense")(seqs)
+    paged, _, _ = TargetCapture(model, LAYERS, "paged")(seqs)
+    ref, _, _ = TargetCapture(target, LAYERS, "paged")(seqs)                    # fp32 CPU
+    ref = ref.to("cuda")
+    err_dense = float((dense.float() - ref).norm() / ref.norm())
+    err_paged = float((paged.float() - ref).norm() / ref.norm())
+    assert err_dense < 2e-2 and err_dense < 2 * err_paged + 1e-3, (err_dense, err_paged)
+    shifted = float((dense[:, 1:].float() - ref[:, :-1]).norm() / ref.norm())     # negative control
+    assert shifted > 0.3, shifted
