@@ -31,6 +31,8 @@ M=$HOME/.cache/tensorrt_llm/models/smollm2-135m-instruct RUNS=${RUNS:-/tmp/runs}
 stamp() { echo "[h200 $STAGE +$(( $(date +%s) - T0 ))s] $*"; }
 split_out() {  # split_out FILE PREFIX : parts < 16 MB into $OUT
   split -b 15000000 -d "$1" "$OUT/$2"; ls -la "$OUT" | grep "$2"; }
+return_drafter() {  # return_drafter gqa|mla : the trained drafter folder as tar parts in $OUT
+  (cd $RUNS/$1/drafter && tar cf /tmp/$1.tar .) && split_out /tmp/$1.tar $1_tar_; }
 progress() {
   tail -n 4 /tmp/train_all.log 2>/dev/null
   for f in $RUNS/data/data0.log $RUNS/data/data1.log; do [[ -f $f ]] && tail -n 1 "$f"; done
@@ -84,7 +86,7 @@ bench)
   stamp "vanilla"
   timeout 100 python3 examples/gpu/h200_extras.py --model $M --gqa $RUNS/gqa/drafter --mla $RUNS/mla/drafter --json $OUT/extras.json 2>&1 | tail -50
   stamp "extras"
-  (cd $RUNS/gqa/drafter && tar cf /tmp/gqa.tar .) && split_out /tmp/gqa.tar gqa_tar_
+  return_drafter gqa
   stamp "bench done" ;;
 eval)
   for i in $(seq 1 ${WAIT_S:-600}); do [[ -f $RUNS/DONE ]] && break; sleep 1; done
@@ -105,10 +107,10 @@ eval)
   stamp "AL T=0.7 done"
   wait $HF; grep "^|" /tmp/hf.log 2>/dev/null | tail -8; tail -n 3 /tmp/hf.log 2>/dev/null
   stamp "hf"
-  (cd $RUNS/mla/drafter && tar cf /tmp/mla.tar .) && split_out /tmp/mla.tar mla_tar_
+  return_drafter mla
   stamp "eval done" ;;
 fetch)  # B=gqa|mla: the trained drafter folder as tar parts in $OUT
-  (cd $RUNS/${B:?B=gqa or mla}/drafter && tar cf /tmp/$B.tar .) && split_out /tmp/$B.tar ${B}_tar_ ;;
+  return_drafter ${B:?B=gqa or mla} ;;
 *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
 stamp "end"

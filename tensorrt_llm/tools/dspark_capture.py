@@ -66,18 +66,16 @@ class TargetCapture:
         if not seqs or min(len(q) for q in seqs) == 0:
             raise ValueError("capture needs at least one non-empty sequence")
         dev = self.target.lm_head.weight.device
-        lens = torch.tensor([len(q) for q in seqs], device=dev)
-        s, length = len(seqs), max(len(q) for q in seqs)
-        ids = torch.zeros(s, length, dtype=torch.long)
+        lens = [len(q) for q in seqs]
+        ids = torch.zeros(len(seqs), max(lens), dtype=torch.long)
         for i, q in enumerate(seqs):
             ids[i, :len(q)] = torch.as_tensor(q, dtype=torch.long)
-        ids = ids.to(dev, non_blocking=True)
-        valid = torch.arange(length, device=dev)[None, :] < lens[:, None]                # [S, L]
-        if self.mode == "dense":
-            cap = self._dense(ids)
-        else:
-            cap = self._paged(ids, [len(q) for q in seqs])
-        return cap * valid[..., None].to(cap.dtype), ids, lens
+        ids, lens_t = ids.to(dev, non_blocking=True), torch.tensor(lens, device=dev)
+        if self.mode == "paged":                      # padding rows are never written: already zero
+            return self._paged(ids, lens), ids, lens_t
+        cap = self._dense(ids)
+        valid = torch.arange(ids.shape[1], device=dev)[None, :] < lens_t[:, None]       # [S, L]
+        return cap * valid[..., None].to(cap.dtype), ids, lens_t
 
     def _dense(self, ids: torch.Tensor) -> torch.Tensor:
         s, length = ids.shape

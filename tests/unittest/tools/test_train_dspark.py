@@ -64,14 +64,16 @@ def tiny_target(tmp_path_factory) -> Path:
     return folder
 
 
+TINY_DRAFTER = {"num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 96, "block_size": 4,
+                "target_layer_ids": [0, 1], "mask_token_id": MASK_ID, "markov_rank": 4,
+                "gqa": {"num_key_value_heads": 2, "head_dim": 16},
+                "mla": {"kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16}}
+
+
 def tiny_config(target: Path, out: Path, backbone: str, **train) -> DSparkTrainConfig:
     return DSparkTrainConfig(
         target=str(target), backbone=backbone, output_dir=str(out),
-        drafter={"num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 96, "block_size": 4,
-                 "target_layer_ids": [0, 1], "mask_token_id": MASK_ID, "markov_rank": 4,
-                 "gqa": {"num_key_value_heads": 2, "head_dim": 16},
-                 "mla": {"kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
-                         "v_head_dim": 16}},
+        drafter=TINY_DRAFTER,
         data={"prompts_file": str(target / "prompts.json"), "num_prompts": 12, "max_prompt_tokens": 64,
               "max_new_tokens": 24, "gen_batch": 8, "cache_file": str(out.parent / "regen.jsonl")},
         train={"steps": 30, "batch_size": 4, "anchors_per_seq": 6, "lr": 3e-3, "warmup_steps": 3,
@@ -409,16 +411,17 @@ def test_sharegpt_turns_export_and_prompt_selection(tiny_target, tmp_path):
 
 
 # ---- the two-GPU driver script, on CPU -----------------------------------------------------
-TINY_SETS = ["--set", "drafter.num_hidden_layers=1", "--set", "drafter.num_attention_heads=4",
-             "--set", "drafter.intermediate_size=96", "--set", "drafter.block_size=4",
-             "--set", "drafter.target_layer_ids=[0, 1]", "--set", f"drafter.mask_token_id={MASK_ID}",
-             "--set", "drafter.markov_rank=4", "--set", "drafter.gqa.num_key_value_heads=2",
-             "--set", "drafter.gqa.head_dim=16", "--set", "drafter.mla.kv_lora_rank=32",
-             "--set", "drafter.mla.qk_rope_head_dim=8", "--set", "drafter.mla.qk_nope_head_dim=16",
-             "--set", "drafter.mla.v_head_dim=16", "--set", "data.max_prompt_tokens=64",
-             "--set", "data.max_new_tokens=12", "--set", "data.gen_batch=4", "--set", "train.device=cpu",
-             "--set", "train.batch_size=2", "--set", "train.anchors_per_seq=4", "--set", "train.warmup_steps=1",
-             "--set", "train.eval_every=1000"]
+def as_set_flags(tree: dict, prefix: str) -> list[str]:
+    """{"a": {"b": 1}} -> ["--set", "<prefix>a.b=1"] (values as YAML/JSON)."""
+    out = []
+    for k, v in tree.items():
+        out += as_set_flags(v, f"{prefix}{k}.") if isinstance(v, dict) else ["--set", f"{prefix}{k}={json.dumps(v)}"]
+    return out
+
+
+TINY_SETS = as_set_flags(TINY_DRAFTER, "drafter.") + as_set_flags(
+    {"data": {"max_prompt_tokens": 64, "max_new_tokens": 12, "gen_batch": 4},
+     "train": {"device": "cpu", "batch_size": 2, "anchors_per_seq": 4, "warmup_steps": 1, "eval_every": 1000}}, "")
 
 
 def test_train_on_h200_script_rounds_on_cpu(tiny_target, tmp_path):
