@@ -14,7 +14,8 @@
 #             both GPUs, probe, GQA + MLA training side by side); returns at once. INIT=1 continues
 #             from the drafters of the `drafter` stage (train.init_from), INIT=DIR from an earlier
 #             run's output (e.g. INIT=/tmp/runs RUNS=/tmp/runs2); TRAIN_MIN sets the box;
-#             SKIP=N skips the first N prompts (fresh ones for a continued run)
+#             SKIP=N skips the first N prompts (fresh ones for a continued run); STEPS=N fixes the
+#             step count (no probe); GEN_BATCH=N requests in flight per regeneration shard
 #   wait    : progress of the detached training after up to W seconds (keeps the machine warm;
 #             returns early once training is done); TESTS=1 also runs the
 #             GPU tests meanwhile (they JIT-compile the flashinfer kernels into /tmp/fiws)
@@ -61,8 +62,8 @@ train)  # carries .device_carry/model_b on the first run of a machine; later run
   rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r tensorrt_llm examples /tmp/repo/   # frozen copy for the detached run
   cd /tmp/repo && PYTHONPATH=/tmp/site:/tmp/repo setsid nohup bash examples/dspark/train_on_h200.sh --model $M \
     --prompts /tmp/persist/prompts.json.gz --out $RUNS --minutes ${TRAIN_MIN:-8} --gen-minutes ${GEN_MIN:-3} \
-    --num-prompts ${NUM_PROMPTS:-40000} --skip-prompts ${SKIP:-0} ${INIT:+--init-from $INIT_SRC} \
-    -- --set data.attn_backend=FLASHINFER --set data.use_cuda_graph=true \
+    --num-prompts ${NUM_PROMPTS:-40000} --skip-prompts ${SKIP:-0} ${INIT:+--init-from $INIT_SRC} ${STEPS:+--steps $STEPS} \
+    -- --set data.attn_backend=FLASHINFER --set data.use_cuda_graph=true ${GEN_BATCH:+--set data.gen_batch=$GEN_BATCH} \
     > /tmp/train_all.log 2>&1 < /dev/null &
   sleep 20; progress ;;
 wait)
