@@ -79,9 +79,26 @@ def run_arm(model: str, drafter: str, prompts: dict[str, list[dict]], temperatur
     return results
 
 
-def summarize(arms: dict[str, dict[str, list[dict]]]) -> list[dict]:
+def parse_pairs(specs: Sequence[str], names: Sequence[str]) -> list[tuple[str, str]]:
+    """`B-A` specs -> [(B, A)] (difference B minus A); the default with two arms is second-first."""
+    if not specs:
+        return [(names[1], names[0])] if len(names) == 2 else []
+    pairs = []
+    for spec in specs:
+        b, sep, a = spec.partition("-")
+        if not sep or b not in names or a not in names or a == b:
+            raise ValueError(f"--pair {spec!r}: want B-A with two different arm names from {list(names)}")
+        pairs.append((b, a))
+    return pairs
+
+
+def summarize(arms: dict[str, dict[str, list[dict]]],
+              pairs: Optional[Sequence[tuple[str, str]]] = None) -> list[dict]:
+    """Per set: pooled AL and clustered SE of every arm, then for each (B, A) in `pairs` (default:
+    second minus first when there are two arms) the mean per-prompt difference B-A, its SE and t."""
     rows = []
     names = list(arms)
+    pairs = parse_pairs([], names) if pairs is None else pairs
     for s in next(iter(arms.values())):
         row: dict = {"set": s}
         per_prompt = {}
@@ -89,10 +106,13 @@ def summarize(arms: dict[str, dict[str, list[dict]]]) -> list[dict]:
             recs = arms[a][s]
             al, se = ratio_se([r["accepted"] for r in recs], [r["steps"] for r in recs])
             row[f"{a}_AL"], row[f"{a}_SE"], row["n"] = al, se, len(recs)
-            per_prompt[a] = [1 + r["accepted"] / r["steps"] if r["steps"] else 1.0 for r in recs]
-        if len(names) == 2:
-            m, se, t = paired_t(per_prompt[names[1]], per_prompt[names[0]])
-            row.update({f"{names[1]}-{names[0]}": m, "diff_SE": se, "t": t})
+            per_prompt[a] = {r["id"]: 1 + r["accepted"] / r["steps"] if r["steps"] else 1.0 for r in recs}
+        for b, a in pairs:
+            if per_prompt[b].keys() != per_prompt[a].keys():
+                raise ValueError(f"set {s}: arms {b} and {a} saw different prompts; cannot pair them")
+            ids = list(per_prompt[a])
+            m, se, t = paired_t([per_prompt[b][i] for i in ids], [per_prompt[a][i] for i in ids])
+            row.update({f"{b}-{a}": m, f"{b}-{a}_SE": se, f"{b}-{a}_t": t})
         rows.append(row)
     return rows
 
@@ -125,7 +145,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     ap.add_argument("--prompts-file", help="read prompts exported by --export-prompts (offline)")
     ap.add_argument("--export-prompts", help="write the eval prompts to this JSON file and exit")
     ap.add_argument("--json", help="write results here")
+    ap.add_argument("--pair", action="append", default=[], metavar="B-A",
+                    help="paired difference of arm B minus arm A (repeatable; default with two arms: second-first)")
+    ap.add_argument("--report", help="re-tabulate the per-prompt results of an earlier --json (no model run)")
     a = ap.parse_args(argv)
+    if a.report:
+        return retabulate(Path(a.report), a.pair)
     if a.prompts_file:
         prompts = json.loads(Path(a.prompts_file).read_text())
         unknown = set(prompts) - set(SETS)
@@ -143,6 +168,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     if not a.model or not a.drafter:
         ap.error("--model and at least one --drafter are required")
     drafters = dict(d.split("=", 1) for d in a.drafter)
+    pairs = parse_pairs(a.pair, list(drafters))
     extra: dict = {"max_seq_len": a.max_seq_len, "attn_backend": a.attn_backend, "use_cuda_graph": a.cuda_graph}
     if a.kv_max_tokens:
         extra["kv_cache_config"] = {"max_tokens": a.kv_max_tokens}
@@ -154,12 +180,26 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
             t0 = time.perf_counter()
             arms[name] = run_arm(a.model, path, prompts, temp, a.max_tokens, a.concurrency, a.device, extra)
             print(f"[T={temp}] {name}: {time.perf_counter() - t0:.1f} s", flush=True)
-        rows = summarize(arms)
+        rows = summarize(arms, pairs)
         print_table(rows, f"AL at T={temp} (max_tokens={a.max_tokens}, pooled AL, SE clustered on prompt)")
         report["results"][str(temp)] = {"rows": rows, "per_prompt": arms}
     if a.json:
         Path(a.json).write_text(json.dumps(report, indent=1, default=str))
     return report
+
+
+def retabulate(report_file: Path, pair_specs: Sequence[str]) -> dict:
+    """Tables of a saved report with other pairings; returns {temperature: rows}."""
+    try:
+        results = json.loads(report_file.read_text())["results"]
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"{report_file}: not a report written by --json ({e})") from e
+    out = {}
+    for temp, res in results.items():
+        arms = res["per_prompt"]
+        out[temp] = summarize(arms, parse_pairs(pair_specs, list(arms)))
+        print_table(out[temp], f"AL at T={temp} ({report_file.name}, pooled AL, SE clustered on prompt)")
+    return out
 
 
 if __name__ == "__main__":

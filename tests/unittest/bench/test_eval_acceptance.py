@@ -1,0 +1,85 @@
+"""AL statistics of bench/eval_acceptance.py: pooled AL with clustered SE, paired differences by
+prompt id, --pair parsing and re-tabulating a saved report (no model runs)."""
+import json
+import random
+
+import pytest
+
+from tensorrt_llm.bench import eval_acceptance as ea
+
+
+def _arm(als: dict[str, float], steps: int = 100) -> dict[str, list[dict]]:
+    """One set of per-prompt records whose per-prompt AL is exactly `als[id]`."""
+    return {"s": [{"id": i, "steps": steps, "accepted": round((al - 1) * steps), "tokens": 256}
+                  for i, al in als.items()]}
+
+
+def test_ratio_se_zero_for_identical_ratios_and_positive_otherwise():
+    al, se = ea.ratio_se([150, 300], [100, 200])
+    assert al == pytest.approx(2.5) and se == pytest.approx(0.0, abs=1e-12)
+    al, se = ea.ratio_se([50, 300], [100, 200])        # negative control: ratios 0.5 and 1.5
+    assert al == pytest.approx(1 + 350 / 300) and se > 0.2
+
+
+def test_paired_t_detects_a_shift_and_its_sign():
+    rng = random.Random(0)
+    base = [2 + rng.random() for _ in range(50)]
+    m, se, t = ea.paired_t([b + 0.1 + rng.gauss(0, 0.01) for b in base], base)
+    assert m == pytest.approx(0.1, abs=0.01) and t > 30
+    m, _, t = ea.paired_t(base, [b + 0.1 for b in base])
+    assert m == pytest.approx(-0.1) and t < -30          # constant shift: t may be -inf
+
+
+def test_summarize_pairs_by_prompt_id_not_by_order():
+    rng = random.Random(1)
+    ids = [f"p{i}" for i in range(40)]
+    a = {i: 2 + 2 * rng.random() for i in ids}
+    b = {i: a[i] + 0.2 for i in ids}
+    shuffled = dict(rng.sample(list(b.items()), len(b)))          # same prompts, another order
+    arms = {"gqa": _arm(a), "mla": _arm(shuffled)}
+    row = ea.summarize(arms)[0]
+    assert row["mla-gqa"] == pytest.approx(0.2, abs=0.011) and row["mla-gqa_t"] > 50
+    assert row["n"] == 40 and row["mla_AL"] > row["gqa_AL"]
+    # negative control: pairing the records by position instead of id loses the shift's precision
+    naive = ea.paired_t([1 + r["accepted"] / r["steps"] for r in arms["mla"]["s"]],
+                        [1 + r["accepted"] / r["steps"] for r in arms["gqa"]["s"]])
+    assert abs(naive[2]) < 5
+
+
+def test_summarize_with_explicit_pairs_and_many_arms():
+    ids = [f"p{i}" for i in range(10)]
+    arms = {n: _arm({i: 2 + k * 0.1 + 0.01 * j for j, i in enumerate(ids)})
+            for k, n in enumerate(["gqa", "mla", "gqa4", "mla4"])}
+    row = ea.summarize(arms, ea.parse_pairs(["mla4-gqa4", "gqa4-gqa"], list(arms)))[0]
+    assert row["mla4-gqa4"] == pytest.approx(0.1) and row["gqa4-gqa"] == pytest.approx(0.2)
+    assert "mla-gqa" not in row
+    assert ea.summarize(arms)[0].keys().isdisjoint({"mla-gqa", "mla4-gqa4"})   # >2 arms: no default pair
+
+
+def test_summarize_refuses_arms_that_saw_different_prompts():
+    arms = {"gqa": _arm({"p0": 2.0, "p1": 2.5}), "mla": _arm({"p0": 2.0, "p2": 2.5})}
+    with pytest.raises(ValueError, match="different prompts"):
+        ea.summarize(arms)
+
+
+@pytest.mark.parametrize("spec", ["mla4", "mla4-xyz", "gqa-gqa", "-gqa"])
+def test_parse_pairs_names_the_bad_spec(spec):
+    with pytest.raises(ValueError, match="--pair"):
+        ea.parse_pairs([spec], ["gqa", "mla4"])
+
+
+def test_report_retabulates_a_saved_json(tmp_path, capsys):
+    ids = [f"p{i}" for i in range(8)]
+    per_prompt = {"gqa": _arm({i: 2.0 + 0.1 * k for k, i in enumerate(ids)}),
+                  "mla": _arm({i: 2.3 + 0.1 * k for k, i in enumerate(ids)}),
+                  "mla4": _arm({i: 2.1 + 0.1 * k for k, i in enumerate(ids)})}
+    f = tmp_path / "al.json"
+    f.write_text(json.dumps({"results": {"0.0": {"rows": [], "per_prompt": per_prompt}}}))
+    out = ea.main(["--report", str(f), "--pair", "mla4-gqa", "--pair", "mla-mla4"])
+    row = out["0.0"][0]
+    assert row["mla4-gqa"] == pytest.approx(0.1) and row["mla-mla4"] == pytest.approx(0.2)
+    assert "| s |" in capsys.readouterr().out
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(ValueError, match="bad.json"):
+        ea.main(["--report", str(bad)])
