@@ -15,7 +15,8 @@
 #             from the drafters of the `drafter` stage (train.init_from), INIT=DIR from an earlier
 #             run's output (e.g. INIT=/tmp/runs RUNS=/tmp/runs2); TRAIN_MIN sets the box;
 #             SKIP=N skips the first N prompts (fresh ones for a continued run); STEPS=N fixes the
-#             step count (no probe); GEN_BATCH=N requests in flight per regeneration shard
+#             step count (no probe); GEN_BATCH=N requests in flight per regeneration shard;
+#             SETS="k=v ..." more config overrides (e.g. "train.kd_weight=0.5 data.temperature=0.7")
 #   wait    : progress of the detached training after up to W seconds (keeps the machine warm;
 #             returns early once training is done); TESTS=1 also runs the
 #             GPU tests meanwhile (they JIT-compile the flashinfer kernels into /tmp/fiws)
@@ -64,6 +65,7 @@ train)  # carries .device_carry/model_b on the first run of a machine; later run
     --prompts /tmp/persist/prompts.json.gz --out $RUNS --minutes ${TRAIN_MIN:-8} --gen-minutes ${GEN_MIN:-3} \
     --num-prompts ${NUM_PROMPTS:-40000} --skip-prompts ${SKIP:-0} ${INIT:+--init-from $INIT_SRC} ${STEPS:+--steps $STEPS} \
     -- --set data.attn_backend=FLASHINFER --set data.use_cuda_graph=true ${GEN_BATCH:+--set data.gen_batch=$GEN_BATCH} \
+    $(for kv in ${SETS:-}; do printf -- '--set %s ' "$kv"; done) \
     > /tmp/train_all.log 2>&1 < /dev/null &
   sleep 20; progress ;;
 wait)

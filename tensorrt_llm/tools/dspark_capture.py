@@ -6,11 +6,12 @@ Two paths, equal up to kernel rounding (`tests/unittest/tools/test_dspark_captur
   boolean mask per request). The reference.
 * ``dense`` (default): the batch right-padded to one length L and run as ``[S, L]`` with a
   causal SDPA and no KV cache (flash attention on CUDA). Right padding is invisible to real
-  positions under a causal mask. Layers after the last captured one are skipped.
+  positions under a causal mask. Layers after the last captured one are skipped unless the
+  final hidden states are asked for (`with_final`, for distillation on the target's distribution).
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Optional
 
 import torch
 import torch.nn.functional as F
@@ -57,12 +58,20 @@ class TargetCapture:
             raise ValueError(f"capture layer ids {bad} outside the target's {n} layers")
         self.target, self.layer_ids, self.mode = target, list(layer_ids), mode
 
-    @torch.no_grad()
     def __call__(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """seqs: token ids -> (captured [S, L, n*H] target dtype, input_ids [S, L], seq_lens [S]).
 
         Rows past a sequence's length are zero in both outputs.
         """
+        captured, _, ids, lens = self.with_final(seqs, final=False)
+        return captured, ids, lens
+
+    @torch.no_grad()
+    def with_final(self, seqs: list[list[int]], final: bool = True
+                   ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """Like `__call__`, plus the target's final-normed hidden states [S, L, H] (None unless
+        `final`): `target.lm_head` of row p gives the target's distribution of token p+1 (all layers
+        run)."""
         if not seqs or min(len(q) for q in seqs) == 0:
             raise ValueError("capture needs at least one non-empty sequence")
         dev = self.target.lm_head.weight.device
@@ -72,12 +81,13 @@ class TargetCapture:
             ids[i, :len(q)] = torch.as_tensor(q, dtype=torch.long)
         ids, lens_t = ids.to(dev, non_blocking=True), torch.tensor(lens, device=dev)
         if self.mode == "paged":                      # padding rows are never written: already zero
-            return self._paged(ids, lens), ids, lens_t
-        cap = self._dense(ids)
-        valid = torch.arange(ids.shape[1], device=dev)[None, :] < lens_t[:, None]       # [S, L]
-        return cap * valid[..., None].to(cap.dtype), ids, lens_t
+            cap, fin = self._paged(ids, lens, final)
+            return cap, fin, ids, lens_t
+        cap, fin = self._dense(ids, final)
+        valid = (torch.arange(ids.shape[1], device=dev)[None, :] < lens_t[:, None])[..., None].to(cap.dtype)
+        return cap * valid, (fin * valid if fin is not None else None), ids, lens_t
 
-    def _dense(self, ids: torch.Tensor) -> torch.Tensor:
+    def _dense(self, ids: torch.Tensor, final: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         s, length = ids.shape
         model = self.target.model
         pos = torch.arange(length, device=ids.device).repeat(s)
@@ -85,13 +95,16 @@ class TargetCapture:
         rope = self.target.rotary.cos_sin(pos)
         h = model.embed_tokens(ids.reshape(-1))
         want, captured = set(self.layer_ids), {}
-        for i, layer in enumerate(model.layers[:max(self.layer_ids) + 1]):
+        last = len(model.layers) if final else max(self.layer_ids) + 1
+        for i, layer in enumerate(model.layers[:last]):
             h = layer(h, pos, None, None, backend, rope)
             if i in want:
                 captured[i] = h
-        return torch.cat([captured[i] for i in self.layer_ids], dim=-1).view(s, length, -1)
+        cap = torch.cat([captured[i] for i in self.layer_ids], dim=-1).view(s, length, -1)
+        return cap, (model.norm(h).view(s, length, -1) if final else None)
 
-    def _paged(self, ids: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    def _paged(self, ids: torch.Tensor, lens: list[int], final: bool
+               ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         from .._torch.attention_backend.vanilla import VanillaAttention
         s, length = ids.shape
         dev, dtype = ids.device, self.target.lm_head.weight.dtype
@@ -105,8 +118,12 @@ class TargetCapture:
                                slot_mapping=row * page + pos, tokens_per_block=page, causal=True)
         backend = VanillaAttention()
         backend.prepare(md)
-        _, captured = self.target(ids[row, pos], pos, caches, md, backend, self.layer_ids)
+        normed, captured = self.target(ids[row, pos], pos, caches, md, backend, self.layer_ids)
         cap = torch.cat(captured, dim=-1)
         out = cap.new_zeros(s, length, cap.shape[-1])
         out[row, pos] = cap
-        return out
+        if not final:
+            return out, None
+        fin = normed.new_zeros(s, length, normed.shape[-1])
+        fin[row, pos] = normed
+        return out, fin

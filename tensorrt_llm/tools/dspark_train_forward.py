@@ -187,14 +187,22 @@ def block_logits(drafter, hidden: torch.Tensor, prev_ids: torch.Tensor) -> torch
     return logits
 
 
-def block_loss(drafter, hidden: torch.Tensor, labels: torch.Tensor, prev_ids: torch.Tensor,
-               gamma: float) -> tuple[torch.Tensor, dict[str, float]]:
-    """Position-decayed cross-entropy over valid slots.
+def teacher_positions(anchors: torch.Tensor, block_size: int, shift_label: bool = True) -> torch.Tensor:
+    """anchors [S, A] -> [S, A, B]: the position whose target output predicts each slot's label
+    (the label position minus one: ``a + j`` with shift_label, else ``a + j - 1``)."""
+    return anchors[..., None] + (0 if shift_label else -1) + torch.arange(block_size, device=anchors.device)
 
-    hidden [S, A, B, H]; labels, prev_ids [S, A, B]. Returns (scalar loss, stats: 0-d tensors
-    "ce" and "acc") with
-    loss = sum_w(CE) / sum(w) over valid slots, w = exp(-slot / gamma). Only valid rows reach
-    the (vocab-wide) lm_head, so padding costs no logits.
+
+def block_loss(drafter, hidden: torch.Tensor, labels: torch.Tensor, prev_ids: torch.Tensor,
+               gamma: float, teacher_hidden: Optional[torch.Tensor] = None,
+               kd_weight: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Position-decayed cross-entropy over valid slots, optionally mixed with distillation.
+
+    hidden [S, A, B, H]; labels, prev_ids [S, A, B]; teacher_hidden [S, A, B, H]: the target's
+    final-normed hidden state predicting each label (`teacher_positions`). Returns (scalar loss,
+    stats: 0-d tensors "ce", "acc" and, with distillation, "kl") with
+    loss = sum_w((1 - kd) CE + kd KL(target || drafter)) / sum(w) over valid slots,
+    w = exp(-slot / gamma). Only valid rows reach the (vocab-wide) lm_head, so padding costs no logits.
     """
     cfg = drafter.config
     w = slot_weights(cfg.block_size, gamma, cfg.shift_label).to(hidden.device)
@@ -203,11 +211,21 @@ def block_loss(drafter, hidden: torch.Tensor, labels: torch.Tensor, prev_ids: to
         raise ValueError("batch has no valid label (all anchors at the sequence end?)")
     logits = block_logits(drafter, hidden[valid], prev_ids[valid])
     ce = F.cross_entropy(logits, labels[valid], reduction="none")
+    per_slot, stats = ce, {}
+    if kd_weight > 0:
+        if teacher_hidden is None or teacher_hidden.shape[:3] != labels.shape:
+            raise ValueError(f"distillation needs teacher_hidden [S, A, B, H] matching labels "
+                             f"{tuple(labels.shape)}, got {None if teacher_hidden is None else tuple(teacher_hidden.shape)}")
+        with torch.no_grad():
+            t_logp = F.log_softmax(drafter.draft_logits(teacher_hidden[valid]), dim=-1)
+        kl = (t_logp.exp() * (t_logp - F.log_softmax(logits, dim=-1))).sum(-1)
+        per_slot = (1 - kd_weight) * ce + kd_weight * kl
+        stats["kl"] = kl.detach().mean()
     wv = w.expand_as(labels)[valid]
-    loss = (wv * ce).sum() / wv.sum()
+    loss = (wv * per_slot).sum() / wv.sum()
     with torch.no_grad():
         acc = (logits.argmax(-1) == labels[valid]).float().mean()
-        return loss, {"ce": ce.mean(), "acc": acc}     # 0-d tensors: the caller syncs once
+        return loss, {"ce": ce.detach().mean(), "acc": acc, **stats}     # 0-d tensors: the caller syncs once
 
 
 def expected_accept_length(pred: torch.Tensor, labels: torch.Tensor, anchor_valid: torch.Tensor,

@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from .dspark_capture import TargetCapture
 from .dspark_data import load_data, regenerate, select_prompts, shard_file  # noqa: F401 (re-exported)
 from .dspark_train_forward import (block_inputs, block_labels, block_logits, block_loss,
-                                   expected_accept_length, sample_anchors, train_forward)
+                                   expected_accept_length, sample_anchors, teacher_positions, train_forward)
 
 logger = logging.getLogger("tensorrt_llm")
 
@@ -136,6 +136,10 @@ class TrainConfig(_Strict):
     weight_decay: float = Field(default=0.01, ge=0, description="AdamW decay (matrices only).")
     grad_clip: float = Field(default=1.0, gt=0, description="Max global grad norm.")
     gamma: float = Field(default=4.0, gt=0, description="Slot-j loss weight exp(-j / gamma).")
+    kd_weight: float = Field(
+        default=0.0, ge=0, le=1, description="Share of the per-slot loss given to KL(target || drafter) "
+        "on the target's full next-token distribution (distillation; the target then runs all its "
+        "layers); the rest is cross-entropy on the data token. Held-out loss stays pure cross-entropy.")
     seed: int = Field(default=0, description="Seed of init, split, batches and anchors.")
     bf16: bool = Field(default=True, description="bfloat16 autocast on CUDA (fp32 master weights).")
     eval_fraction: float = Field(default=0.05, ge=0, lt=1, description="Held-out share of sequences.")
@@ -247,25 +251,33 @@ def export_drafter(drafter: torch.nn.Module, folder: Path, dtype: torch.dtype) -
 
 
 # ---- batches -----------------------------------------------------------------------------
-def make_batch(rows: list[dict], capture: TargetCapture, anchors: list[list[int]]):
-    """(captured, ids, lens, anchors [S, A], anchor_valid [S, A]) for rows and their anchor lists."""
-    captured, ids, lens = capture([r["prompt_ids"] + r["output_ids"] for r in rows])
+def make_batch(rows: list[dict], capture: TargetCapture, anchors: list[list[int]], final: bool = False):
+    """(captured, ids, lens, anchors [S, A], anchor_valid [S, A], final [S, L, H] or None) for rows
+    and their anchor lists; `final` adds the target's final-normed hidden states (distillation)."""
+    captured, fin, ids, lens = capture.with_final([r["prompt_ids"] + r["output_ids"] for r in rows], final)
     a = max(1, max(len(x) for x in anchors))
     anc = torch.zeros(len(rows), a, dtype=torch.long)
     valid = torch.zeros(len(rows), a, dtype=torch.bool)
     for i, x in enumerate(anchors):
         anc[i, :len(x)], valid[i, :len(x)] = torch.tensor(x, dtype=torch.long), True
-    return captured, ids, lens, anc.to(ids.device), valid.to(ids.device)
+    return captured, ids, lens, anc.to(ids.device), valid.to(ids.device), fin
 
 
-def run_blocks(drafter, batch, gamma: float):
+def run_blocks(drafter, batch, gamma: float, kd_weight: float = 0.0):
     """Dense forward + loss of one batch. Returns (loss, stats, hidden, labels, prev)."""
-    captured, ids, lens, anchors, valid = batch
+    captured, ids, lens, anchors, valid, final = batch
     c = drafter.config
     block_ids, _ = block_inputs(ids, anchors, c.block_size, c.mask_token_id)
     hidden = train_forward(drafter, drafter.context_features(captured), block_ids, anchors)
     labels, prev = block_labels(ids, anchors, valid, lens, c.block_size, c.shift_label)
-    loss, stats = block_loss(drafter, hidden, labels, prev, gamma)
+    teacher = None
+    if kd_weight > 0:
+        if final is None:
+            raise ValueError("kd_weight > 0 needs a batch made with final=True")
+        pos = teacher_positions(anchors, c.block_size, c.shift_label).clamp(0, ids.shape[1] - 1)
+        teacher = final.gather(1, pos.reshape(pos.shape[0], -1, 1).expand(-1, -1, final.shape[-1]))
+        teacher = teacher.view(*pos.shape, final.shape[-1])
+    loss, stats = block_loss(drafter, hidden, labels, prev, gamma, teacher, kd_weight)
     return loss, stats, hidden, labels, prev
 
 
@@ -388,9 +400,9 @@ def train(cfg: DSparkTrainConfig, rows: list[dict],
         picked = [train_rows[i] for i in idx]
         anchors = [sample_anchors(len(r["prompt_ids"]), len(r["prompt_ids"]) + len(r["output_ids"]),
                                   t.anchors_per_seq, gen) for r in picked]
-        batch = make_batch(picked, capture, anchors)
+        batch = make_batch(picked, capture, anchors, final=t.kd_weight > 0)
         with autocast():
-            loss, stats, *_ = run_blocks(drafter, batch, t.gamma)
+            loss, stats, *_ = run_blocks(drafter, batch, t.gamma, t.kd_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), t.grad_clip)
@@ -399,6 +411,8 @@ def train(cfg: DSparkTrainConfig, rows: list[dict],
         loss_v, gnorm_v, acc_v = torch.stack([loss.detach().float(), gnorm.float(), stats["acc"]]).tolist()
         rec = {"step": step, "loss": loss_v, "lr": lr, "grad_norm": gnorm_v, "acc": acc_v,
                "time_s": round(time.perf_counter() - t_run, 3)}
+        if "kl" in stats:
+            rec["kl"] = float(stats["kl"])
         if eval_rows and (step % t.eval_every == 0 or step == t.steps):
             last_eval = evaluate(drafter, capture, eval_rows, eval_anchors, t.batch_size, t.gamma, autocast)
             evaluated_at = step

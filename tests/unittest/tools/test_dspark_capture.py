@@ -81,3 +81,10 @@ def test_dense_equals_paged_cuda_bf16(target):
     assert err_dense < 2e-2 and err_dense < 2 * err_paged + 1e-3, (err_dense, err_paged)
     shifted = float((dense[:, 1:].float() - ref[:, :-1]).norm() / ref.norm())     # negative control
     assert shifted > 0.3, shifted
+    # The final-normed states (distillation teacher) match too, with the same negative control.
+    _, fin, _, _ = TargetCapture(model, LAYERS, "dense").with_final(seqs)
+    _, fin_ref, _, _ = TargetCapture(target, LAYERS, "paged").with_final(seqs)
+    fin_ref = fin_ref.to("cuda")
+    err_fin = float((fin.float() - fin_ref).norm() / fin_ref.norm())
+    assert err_fin < 3e-2, err_fin
+    assert float((fin[:, 1:].float() - fin_ref[:, :-1]).norm() / fin_ref.norm()) > 0.3

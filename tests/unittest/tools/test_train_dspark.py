@@ -460,3 +460,85 @@ def test_train_on_h200_script_rounds_on_cpu(tiny_target, tmp_path):
         assert log["config"]["train"]["init_from"] == str(tmp_path / "r0" / b / "drafter")
         assert log["config"]["data"]["skip_prompts"] == 6
         load_drafter(tmp_path / "r1" / b / "drafter", target_config, torch.float32, torch.device("cpu"))
+
+
+# ---- distillation on the target's distribution (train.kd_weight) ---------------------------
+def test_teacher_positions_predict_the_greedy_labels(tiny_target, tmp_path):
+    """The target's final hidden state at `teacher_positions` predicts each slot's label: on greedy
+    data its argmax IS the label. Shifting the positions by one (an off-by-one) breaks that."""
+    from tensorrt_llm._torch.models import load_target_model
+    from tensorrt_llm.tools.dspark_capture import TargetCapture
+    from tensorrt_llm.tools.dspark_train_forward import sample_anchors, teacher_positions
+    from tensorrt_llm.tools.train_dspark import make_batch
+    rows = regenerate(tiny_config(tiny_target, tmp_path / "kd", "gqa"))
+    target = load_target_model(tiny_target, torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    anchors = [sample_anchors(len(r["prompt_ids"]), len(r["prompt_ids"]) + len(r["output_ids"]), 6, g) for r in rows]
+    capture = TargetCapture(target, [0, 1], "dense")
+    _, ids, lens, anc, valid, final = make_batch(rows, capture, anchors, final=True)
+    labels, _ = block_labels(ids, anc, valid, lens, 4)
+    ok = labels != IGNORE_INDEX
+
+    def argmax_at(shift: int) -> torch.Tensor:
+        pos = (teacher_positions(anc, 4) + shift).clamp(0, ids.shape[1] - 1)
+        h = final.gather(1, pos.reshape(len(rows), -1, 1).expand(-1, -1, final.shape[-1]))
+        return target.lm_head(h).argmax(-1).view(labels.shape)
+
+    assert bool(ok.any()) and bool((argmax_at(0)[ok] == labels[ok]).all())
+    assert float((argmax_at(1)[ok] == labels[ok]).float().mean()) < 0.5          # off by one
+    assert float((argmax_at(-1)[ok] == labels[ok]).float().mean()) < 0.5
+    # The paged reference gives the same final states; __call__ still returns 3 values.
+    seqs = [r["prompt_ids"] + r["output_ids"] for r in rows]
+    _, fin_p, _, _ = TargetCapture(target, [0, 1], "paged").with_final(seqs)
+    assert rel_err(fin_p, final) < 1e-5 and len(capture([rows[0]["prompt_ids"]])) == 3
+
+
+def test_block_loss_distillation_terms():
+    """kd_weight 0 is the plain CE loss; the KL term equals an independent F.kl_div, is ~0 when the
+    teacher's distribution is the drafter's own, and is far from 0 for another teacher."""
+    import torch.nn.functional as F
+
+    from tensorrt_llm.tools.dspark_train_forward import block_loss
+    torch.manual_seed(0)
+    drafter = DSparkForCausalLMBase.random_init(
+        "gqa", TINY, seed=0, num_hidden_layers=1, num_attention_heads=4, intermediate_size=96, block_size=4,
+        target_layer_ids=[0, 1], mask_token_id=MASK_ID, markov_rank=0, num_key_value_heads=2, head_dim=16)
+    emb = torch.nn.Embedding(VOCAB, 64)
+    head = torch.nn.Linear(64, VOCAB, bias=False)
+    head.weight.data.normal_(0, 0.5)
+    drafter.bind_target(emb, head)
+    hidden = torch.randn(2, 3, 4, 64)
+    labels = torch.randint(0, VOCAB, (2, 3, 4))
+    labels[1, 2] = IGNORE_INDEX
+    prev = torch.randint(0, VOCAB, (2, 3, 4))
+    plain, _ = block_loss(drafter, hidden, labels, prev, 4.0)
+    same, st0 = block_loss(drafter, hidden, labels, prev, 4.0, hidden, kd_weight=0.0)
+    assert torch.equal(plain, same) and "kl" not in st0
+    _, st = block_loss(drafter, hidden, labels, prev, 4.0, hidden.clone(), kd_weight=1.0)
+    assert float(st["kl"]) == pytest.approx(0.0, abs=1e-5)
+    other = torch.randn(2, 3, 4, 64)
+    loss, st = block_loss(drafter, hidden, labels, prev, 4.0, other, kd_weight=1.0)
+    ok = labels != IGNORE_INDEX
+    with torch.no_grad():
+        ref = F.kl_div(F.log_softmax(head(hidden[ok]), -1), F.log_softmax(head(other[ok]), -1),
+                       log_target=True, reduction="none").sum(-1)
+    assert float(st["kl"]) == pytest.approx(float(ref.mean()), rel=1e-4) and float(st["kl"]) > 1.0
+    w = torch.exp(-torch.arange(4.0) / 4.0).expand(2, 3, 4)[ok]
+    assert float(loss.detach()) == pytest.approx(float((w * ref).sum() / w.sum()), rel=1e-4)
+    with pytest.raises(ValueError, match="teacher_hidden"):
+        block_loss(drafter, hidden, labels, prev, 4.0, None, kd_weight=0.5)
+
+
+def test_train_with_distillation(tiny_target, tmp_path):
+    """kd_weight 0.5 trains (loss and KL fall); held-out loss stays pure CE, comparable to a CE run."""
+    cfg = tiny_config(tiny_target, tmp_path / "kd", "mla", steps=16, eval_every=8, kd_weight=0.5)
+    rows = regenerate(cfg)
+    log = train(cfg, rows)
+    h = log["history"]
+    assert all("kl" in r for r in h) and sum(r["kl"] for r in h[-4:]) < 0.7 * sum(r["kl"] for r in h[:4])
+    assert sum(r["loss"] for r in h[-4:]) < 0.7 * sum(r["loss"] for r in h[:4])
+    ce = train(tiny_config(tiny_target, tmp_path / "ce", "mla", steps=16, eval_every=8), rows)
+    assert "kl" not in ce["history"][0]
+    assert 0.5 < log["eval_loss"] / ce["eval_loss"] < 2.0          # same metric (CE), similar level
+    with pytest.raises(ValueError, match="kd_weight"):
+        tiny_config(tiny_target, tmp_path / "bad", "mla", kd_weight=1.5)
