@@ -43,7 +43,7 @@ def sync() -> float:
 
 
 def run_variant(target, backbone: str, capture_mode: str, batch: int, anchors: int, steps: int,
-                compile_fwd: bool) -> dict:
+                compile_fwd: bool, kd_weight: float = 0.0) -> dict:
     cfg = DSparkTrainConfig(target="(random)", backbone=backbone, output_dir="/tmp/train_profile")
     drafter = build_drafter(cfg, target.config).to(target.lm_head.weight.device)
     drafter.bind_target(target.model.embed_tokens, target.lm_head)
@@ -60,10 +60,10 @@ def run_variant(target, backbone: str, capture_mode: str, batch: int, anchors: i
         anc = [sample_anchors(len(r["prompt_ids"]), len(r["prompt_ids"]) + len(r["output_ids"]), anchors, gen)
                for r in picked]
         t0 = sync() if phases is not None else 0.0
-        b = make_batch(picked, capture, anc)
+        b = make_batch(picked, capture, anc, final=kd_weight > 0)
         t1 = sync() if phases is not None else 0.0
         with torch.autocast(drafter.fc.weight.device.type, dtype=torch.bfloat16):
-            loss, *_ = step_fn(drafter, b, 4.0)
+            loss, *_ = step_fn(drafter, b, 4.0, kd_weight)
         t2 = sync() if phases is not None else 0.0
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -90,7 +90,7 @@ def run_variant(target, backbone: str, capture_mode: str, batch: int, anchors: i
     one(3 + steps, phases)
     blocks = batch * anchors
     return {"backbone": backbone, "capture": capture_mode, "batch": batch, "anchors": anchors,
-            "compile": compile_fwd, "step_ms": round(step_ms, 2), "blocks_per_s": round(blocks / step_ms * 1e3),
+            "compile": compile_fwd, "kd_weight": kd_weight, "step_ms": round(step_ms, 2), "blocks_per_s": round(blocks / step_ms * 1e3),
             "seqs_per_s": round(batch / step_ms * 1e3, 1), "warmup_s": round(warm_s, 1),
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2 ** 30, 1) if torch.cuda.is_available() else None, "phases_ms": phases}
 
@@ -103,7 +103,8 @@ def main() -> None:
     ap.add_argument("--variants", default="gqa:paged:32:64,gqa:dense:32:64,gqa:dense:32:128,gqa:dense:32:256,"
                     "gqa:dense:64:128,mla:dense:32:64,mla:dense:32:256,gqa:dense:32:128:compile,"
                     "mla:dense:32:128:compile",
-                    help="backbone:capture:batch:anchors[:compile], comma-separated")
+                    help="backbone:capture:batch:anchors[:compile][:kd<weight>], comma-separated "
+                    "(e.g. mla:dense:32:64:kd0.5 distils with train.kd_weight 0.5)")
     args = ap.parse_args()
     torch.manual_seed(0)
     target = LlamaForCausalLM(LlamaConfig(**SMOLLM2)).to(args.device, torch.bfloat16).eval().requires_grad_(False)
@@ -111,9 +112,10 @@ def main() -> None:
     with open(args.out, "w") as f:
         for spec in args.variants.split(","):
             parts = spec.split(":")
+            kd = [float(p[2:]) for p in parts[4:] if p.startswith("kd")]
             try:
                 rec = run_variant(target, parts[0], parts[1], int(parts[2]), int(parts[3]), args.steps,
-                                  len(parts) > 4 and parts[4] == "compile")
+                                  "compile" in parts[4:], kd[0] if kd else 0.0)
             except Exception as e:                                  # a failed variant must not end the run
                 rec = {"variant": spec, "error": f"{type(e).__name__}: {e}"[:500]}
             print(json.dumps(rec), flush=True)
