@@ -11,6 +11,9 @@
 #   --minutes M       training wall-clock target (default 8): both backbones get the SAME step count,
 #                     M minutes / the slower backbone's probed step time
 #   --gen-minutes M   regeneration box per shard (default 2.5)
+#   --procs-per-gpu N regeneration processes at once per GPU (default 1; the target is host-bound:
+#                     an H200 ran 22-37% busy with one); data.num_shards = max(GPUs, 2) x N, run in
+#                     waves of max(GPUs, 1) x N, shard i on GPU i mod GPUs
 #   --num-prompts N   prompts to regenerate over all shards (default 40000)
 #   --max-new-tokens N  tokens the target generates per prompt (default 384)
 #   --min-steps N     floor of the shared step count (default 200)
@@ -21,13 +24,14 @@
 #                     script, else the folder SRC<backbone> (e.g. examples/models/smollm2-135m-dspark-)
 #   -- ...            passed verbatim to every trtllm-train-dspark call (e.g. --set train.batch_size=8)
 #
-# With 2 GPUs: regeneration shard i runs on GPU i, then GQA trains on GPU 0 and MLA on GPU 1 at once.
-# With 1 GPU both run on GPU 0 (regeneration shards in sequence, training side by side).
+# With 2 GPUs: regeneration shard i runs on GPU i mod 2, then GQA trains on GPU 0 and MLA on GPU 1 at
+# once. With 1 GPU all run on GPU 0 (regeneration in waves of --procs-per-gpu, training side by side).
 # Same data, seed and step count for both backbones; only the attention section differs.
 set -euo pipefail
 
 MODEL="" PROMPTS="" OUT=""
 MINUTES=8 GEN_MINUTES=2.5 NUM_PROMPTS=40000 MAX_NEW=384 MIN_STEPS=200 INIT_PREFIX="" SKIP=0 FIXED_STEPS=""
+PER_GPU=1
 EXTRA=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -36,6 +40,7 @@ while [[ $# -gt 0 ]]; do
     --out) OUT="$2"; shift 2 ;;
     --minutes) MINUTES="$2"; shift 2 ;;
     --gen-minutes) GEN_MINUTES="$2"; shift 2 ;;
+    --procs-per-gpu) PER_GPU="$2"; shift 2 ;;
     --num-prompts) NUM_PROMPTS="$2"; shift 2 ;;
     --max-new-tokens) MAX_NEW="$2"; shift 2 ;;
     --min-steps) MIN_STEPS="$2"; shift 2 ;;
@@ -60,13 +65,15 @@ mkdir -p "$OUT/data" "$OUT/gqa" "$OUT/mla" "$OUT/probe"
 MODEL="$(cd "$MODEL" && pwd)" PROMPTS="$(cd "$(dirname "$PROMPTS")" && pwd)/$(basename "$PROMPTS")"
 OUT="$(cd "$OUT" && pwd)"
 NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")
-gpu_of() { if [[ "$NGPU" -ge 2 ]]; then echo "$1"; else echo 0; fi; }
+gpu_of() { if [[ "$NGPU" -ge 2 ]]; then echo $(( $1 % NGPU )); else echo 0; fi; }
+[[ "$PER_GPU" =~ ^[1-9][0-9]*$ ]] || { echo "--procs-per-gpu must be a positive integer, got $PER_GPU" >&2; exit 2; }
+SHARDS=$(( (NGPU > 2 ? NGPU : 2) * PER_GPU )) WAVE=$(( (NGPU > 1 ? NGPU : 1) * PER_GPU ))
 
 SRC=(--prompts-file "$PROMPTS")
 [[ "$PROMPTS" == *.whl ]] && SRC=(--sharegpt "$PROMPTS")
 COMMON=(--target "$MODEL" "${SRC[@]}" --cache-file "$OUT/data/regen.jsonl"
         --num-prompts "$NUM_PROMPTS" --max-new-tokens "$MAX_NEW" --set "data.skip_prompts=$SKIP"
-        --set data.num_shards=2 --set "data.max_gen_minutes=$GEN_MINUTES")
+        --set "data.num_shards=$SHARDS" --set "data.max_gen_minutes=$GEN_MINUTES")
 T0=$(date +%s)
 stamp() { echo "[train_on_h200 +$(( $(date +%s) - T0 ))s] $*"; }
 train() {  # train BACKBONE GPU OUTDIR STEPS [more args]
@@ -80,13 +87,13 @@ train() {  # train BACKBONE GPU OUTDIR STEPS [more args]
 }
 
 stamp "regenerating data with the target on $NGPU GPU(s) -> $OUT/data"
-for i in 0 1; do
+for (( i = 0; i < SHARDS; i++ )); do
   CUDA_VISIBLE_DEVICES=$(gpu_of $i) "$PY" -m tensorrt_llm.tools.train_dspark --config "$REPO/examples/dspark/train_gqa.yaml" \
     --stage data --shard $i --output-dir "$OUT/data" "${COMMON[@]}" "${EXTRA[@]}" > "$OUT/data/data$i.log" 2>&1 &
-  [[ "$NGPU" -ge 2 ]] || wait
+  (( (i + 1) % WAVE )) || wait
 done
 wait
-tail -n 2 "$OUT/data/data0.log" "$OUT/data/data1.log"
+for (( i = 0; i < SHARDS; i++ )); do tail -n 2 "$OUT/data/data$i.log"; done
 
 if [[ -n "$FIXED_STEPS" ]]; then
   STEPS=$FIXED_STEPS

@@ -16,7 +16,7 @@
 #             run's output (e.g. INIT=/tmp/runs RUNS=/tmp/runs2); TRAIN_MIN sets the box;
 #             SKIP=N skips the first N prompts (fresh ones for a continued run); STEPS=N fixes the
 #             step count (no probe); GEN_BATCH=N requests in flight per regeneration shard;
-#             SETS="k=v ..." more config overrides (e.g. "train.kd_weight=0.5 data.temperature=0.7")
+#             GEN_PROCS=N regeneration processes per GPU; SETS="k=v ..." more config overrides (e.g. "train.kd_weight=0.5 data.temperature=0.7")
 #   wait    : progress of the detached training after up to W seconds (keeps the machine warm;
 #             returns early once training is done); TESTS=1 also runs the
 #             GPU tests meanwhile (they JIT-compile the flashinfer kernels into /tmp/fiws)
@@ -37,7 +37,7 @@ return_drafter() {  # return_drafter gqa|mla : the trained drafter folder as tar
   (cd $RUNS/$1/drafter && tar cf /tmp/$1.tar .) && split_out /tmp/$1.tar $1_tar_; }
 progress() {
   tail -n 4 /tmp/train_all.log 2>/dev/null
-  for f in $RUNS/data/data0.log $RUNS/data/data1.log; do [[ -f $f ]] && tail -n 1 "$f"; done
+  for f in $RUNS/data/data*.log; do [[ -f $f ]] && tail -n 1 "$f"; done
   for b in gqa mla; do [[ -f $RUNS/$b/train.log ]] && tail -c 300 $RUNS/$b/train.log | tr '\r' '\n' | tail -n 2; done
   nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader; }
 case "$STAGE" in
@@ -63,7 +63,7 @@ train)  # carries .device_carry/model_b on the first run of a machine; later run
   rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r tensorrt_llm examples /tmp/repo/   # frozen copy for the detached run
   cd /tmp/repo && PYTHONPATH=/tmp/site:/tmp/repo setsid nohup bash examples/dspark/train_on_h200.sh --model $M \
     --prompts /tmp/persist/prompts.json.gz --out $RUNS --minutes ${TRAIN_MIN:-8} --gen-minutes ${GEN_MIN:-3} \
-    --num-prompts ${NUM_PROMPTS:-40000} --skip-prompts ${SKIP:-0} ${INIT:+--init-from $INIT_SRC} ${STEPS:+--steps $STEPS} \
+    --num-prompts ${NUM_PROMPTS:-40000} --skip-prompts ${SKIP:-0} ${INIT:+--init-from $INIT_SRC} ${STEPS:+--steps $STEPS} ${GEN_PROCS:+--procs-per-gpu $GEN_PROCS} \
     -- --set data.attn_backend=FLASHINFER --set data.use_cuda_graph=true ${GEN_BATCH:+--set data.gen_batch=$GEN_BATCH} \
     $(for kv in ${SETS:-}; do printf -- '--set %s ' "$kv"; done) \
     > /tmp/train_all.log 2>&1 < /dev/null &

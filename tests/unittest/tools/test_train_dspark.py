@@ -426,7 +426,8 @@ TINY_SETS = as_set_flags(TINY_DRAFTER, "drafter.") + as_set_flags(
 
 def test_train_on_h200_script_rounds_on_cpu(tiny_target, tmp_path):
     """examples/dspark/train_on_h200.sh: a probed first round, then a round that continues from it
-    (--init-from <earlier --out>) on fresh prompts (--skip-prompts) with a fixed step count."""
+    (--init-from <earlier --out>) on fresh prompts (--skip-prompts) with a fixed step count and
+    twice the regeneration processes (--procs-per-gpu 2: four shards)."""
     import subprocess
     import sys
 
@@ -442,10 +443,15 @@ def test_train_on_h200_script_rounds_on_cpu(tiny_target, tmp_path):
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
+    bad = subprocess.run(["bash", str(script), "--model", str(tiny_target), "--prompts", str(tiny_target / "prompts.json"),
+                          "--out", str(tmp_path / "bad"), "--procs-per-gpu", "0"], env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "--procs-per-gpu must be a positive integer, got 0" in bad.stderr
     run("r0", "--minutes", "0.001", "--min-steps", "3")
     assert int((tmp_path / "r0" / "steps.txt").read_text()) == 3          # probe -> the floor
-    run("r1", "--steps", "2", "--skip-prompts", "6", "--init-from", str(tmp_path / "r0"))
+    run("r1", "--steps", "2", "--skip-prompts", "6", "--init-from", str(tmp_path / "r0"), "--procs-per-gpu", "2")
     assert not (tmp_path / "r1" / "probe" / "gqa" / "training_log.json").exists()
+    assert len(list((tmp_path / "r0" / "data").glob("regen.shard*.meta.json"))) == 2
+    assert len(list((tmp_path / "r1" / "data").glob("regen.shard*.meta.json"))) == 4      # 2 per "GPU"
     prompts = {}
     for r in ("r0", "r1"):
         rows = [json.loads(line) for f in sorted((tmp_path / r / "data").glob("regen.shard*.jsonl"))
