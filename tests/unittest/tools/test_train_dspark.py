@@ -353,6 +353,24 @@ def test_sharded_regeneration_from_gzip_prompts(tiny_target, tmp_path):
         regenerate(cfg, 2)
 
 
+def test_sampled_regeneration_is_seeded(tiny_target, tmp_path):
+    """data.temperature > 0 (more answers per prompt): reproducible for a seed, other answers than
+    greedy (the control), other answers for another train.seed; the seed is part of the cache meta."""
+    def sampled(name: str, seed: int) -> list[dict]:
+        cfg = tiny_config(tiny_target, tmp_path / name / "x", "gqa", seed=seed)
+        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"temperature": 0.7})})
+        rows = regenerate(cfg)
+        meta = json.loads(cfg.cache_file.with_suffix(".meta.json").read_text())
+        assert meta["temperature"] == 0.7 and meta["seed"] == seed
+        return rows
+    greedy = regenerate(tiny_config(tiny_target, tmp_path / "greedy" / "x", "gqa"))
+    a, again, other = sampled("a", 0), sampled("again", 0), sampled("other", 1)
+    assert [r["prompt_ids"] for r in a] == [r["prompt_ids"] for r in greedy]
+    assert a == again
+    assert sum(x["output_ids"] != y["output_ids"] for x, y in zip(a, greedy)) >= 6
+    assert sum(x["output_ids"] != y["output_ids"] for x, y in zip(a, other)) >= 6
+
+
 def test_shipped_configs_fit_budget():
     """examples/dspark/train_{gqa,mla}.yaml differ only in backbone; each drafter <= 45 MB in bf16."""
     from tensorrt_llm.tools.train_dspark import build_drafter
