@@ -117,6 +117,12 @@ class TorchLlmArgs(StrictBaseModel):
         description="Batch waiting: stop holding as soon as the held requests' prompt tokens reach "
         "this ratio x max_num_tokens. 0 disables the token threshold (only "
         "batch_wait_timeout_iters ends a wait); > 0 needs batch_wait_timeout_iters > 0.")
+    batch_admit_min_slots: int = Field(
+        default=1, ge=1,
+        description="Slot grouping: while requests are generating, admit queued requests only once "
+        "min(this, queued, max_batch_size) batch slots are free, so they start together in one "
+        "prefill step instead of one split step each (offline batches larger than max_batch_size). "
+        "Never waits when nothing is generating. 1 admits as soon as a slot frees.")
 
     @model_validator(mode="after")
     def _check(self) -> "TorchLlmArgs":

@@ -160,7 +160,7 @@ def regenerate(cfg: DSparkTrainConfig, shard: int = 0) -> list[dict]:
     t0 = time.perf_counter()
     max_seq = d.max_prompt_tokens + d.max_new_tokens
     llm = LLM(cfg.target, device=cfg.train.device, attn_backend=d.attn_backend, max_batch_size=d.gen_batch,
-              use_cuda_graph=d.use_cuda_graph,
+              use_cuda_graph=d.use_cuda_graph, batch_admit_min_slots=d.gen_admit_min_slots,
               max_num_tokens=max(d.gen_max_num_tokens, d.max_prompt_tokens), max_seq_len=max_seq,
               kv_cache_config={"max_tokens": d.gen_batch * (max_seq + 64), "tokens_per_block": 32})
     cache.parent.mkdir(parents=True, exist_ok=True)

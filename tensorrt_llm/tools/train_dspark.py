@@ -106,6 +106,9 @@ class DataConfig(_Strict):
     temperature: float = Field(default=0.0, ge=0.0, description="Regeneration temperature; 0 = greedy.")
     gen_batch: int = Field(default=128, ge=1, description="Requests in flight (LLM max_batch_size).")
     gen_max_num_tokens: int = Field(default=8192, ge=64, description="LLM token budget per step.")
+    gen_admit_min_slots: int = Field(
+        default=1, ge=1, description="LLM batch_admit_min_slots: queued prompts start in groups of this "
+        "many once the batch is full (fewer split prefill steps).")
     attn_backend: Literal["AUTO", "VANILLA", "FLASHINFER", "TRTLLM"] = Field(
         default="VANILLA", description="Target attention backend for regeneration.")
     use_cuda_graph: bool = Field(

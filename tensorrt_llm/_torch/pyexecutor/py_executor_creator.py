@@ -98,7 +98,8 @@ def create_py_executor(args: TorchLlmArgs, tokenizer: TokenizerWrapper) -> Execu
     sched = Scheduler(kv, args.max_batch_size, max(args.max_num_tokens, tokens_per_gen),
                       args.enable_chunked_prefill, tokens_per_gen, spec_slack=lookahead + tokens_per_gen,
                       batch_wait_timeout_iters=args.batch_wait_timeout_iters,
-                      batch_wait_max_tokens_ratio=args.batch_wait_max_tokens_ratio)
+                      batch_wait_max_tokens_ratio=args.batch_wait_max_tokens_ratio,
+                      batch_admit_min_slots=args.batch_admit_min_slots)
     sampler = Sampler(args.seed, device)
     if spec_worker is not None:
         spec_worker.bind(kv, sampler)

@@ -17,6 +17,13 @@ prompt tokens reach ratio x max_num_tokens, when nothing is generating (an idle 
 once), or when a prompt is already in flight (the step has a prefill segment anyway). Only
 requests not yet admitted are held, so a started (chunked) prefill is never delayed. Released
 requests are then admitted by the same reserve-or-wait rule, in arrival order.
+
+Slot grouping (`batch_admit_min_slots` = k): when the batch is full of generating requests and
+more are queued (a large offline `generate`), each finishing request would let one queued request
+in, so nearly every step would be a split step with a one-request eager prefill. With k > 1, while
+requests are generating, the queue head waits until min(k, queued, max_batch_size) batch slots
+are free and that many start together. Nothing waits when no request is generating; finishing
+requests always free slots, so the wait ends.
 """
 from __future__ import annotations
 
@@ -43,13 +50,16 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, kv_manager: KVCacheManager, max_batch_size: int, max_num_tokens: int,
                  enable_chunked_prefill: bool, tokens_per_gen_step: int, spec_slack: int, *,
-                 batch_wait_timeout_iters: int = 0, batch_wait_max_tokens_ratio: float = 0.0):
+                 batch_wait_timeout_iters: int = 0, batch_wait_max_tokens_ratio: float = 0.0,
+                 batch_admit_min_slots: int = 1):
         if batch_wait_timeout_iters < 0:
             raise ValueError(f"batch_wait_timeout_iters must be >= 0, got {batch_wait_timeout_iters}")
         if not 0.0 <= batch_wait_max_tokens_ratio <= 1.0:
             raise ValueError(f"batch_wait_max_tokens_ratio must be in [0, 1], got {batch_wait_max_tokens_ratio}")
         if batch_wait_max_tokens_ratio > 0 and batch_wait_timeout_iters == 0:
             raise ValueError("batch_wait_max_tokens_ratio > 0 needs batch_wait_timeout_iters > 0")
+        if batch_admit_min_slots < 1:
+            raise ValueError(f"batch_admit_min_slots must be >= 1, got {batch_admit_min_slots}")
         self.kv = kv_manager
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
@@ -58,6 +68,7 @@ class Scheduler:
         self.spec_slack = spec_slack
         self.batch_wait_timeout_iters = batch_wait_timeout_iters
         self.batch_wait_max_tokens_ratio = batch_wait_max_tokens_ratio
+        self.batch_admit_min_slots = batch_admit_min_slots
         self.waiting: deque[LlmRequest] = deque()
         self.running: list[LlmRequest] = []
         # batch-waiting state: ids of queued requests whose wait is over (always a prefix of
@@ -111,8 +122,12 @@ class Scheduler:
         self._held_iters = 0
         return False
 
-    def _admit(self, hold: bool) -> None:
+    def _admit(self, hold: bool, generating: bool) -> None:
         released = self._released
+        if generating and self.batch_admit_min_slots > 1 and self.waiting:
+            need = min(self.batch_admit_min_slots, len(self.waiting), self.max_batch_size)
+            if self.max_batch_size - len(self.running) < need:
+                return                     # slot grouping: wait for more finished requests
         while self.waiting and len(self.running) < self.max_batch_size:
             req = self.waiting[0]
             if hold and req.request_id not in released:
@@ -133,7 +148,7 @@ class Scheduler:
         hold = False
         if self.batch_wait_timeout_iters:
             hold = self._update_batch_wait(bool(gens), len(gens) < len(self.running))
-        self._admit(hold)
+        self._admit(hold, bool(gens))
         batch = ScheduledBatch()
         budget = self.max_num_tokens
         # each generation request costs tokens_per_gen_step; the first that fit, in order

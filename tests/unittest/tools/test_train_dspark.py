@@ -326,7 +326,8 @@ def test_cli_yaml_overrides_and_stages(tiny_target, tmp_path):
 
 
 def test_sharded_regeneration_from_gzip_prompts(tiny_target, tmp_path):
-    """Shards i::n (separate `--stage data --shard i` runs) together equal the unsharded data."""
+    """Shards i::n (separate `--stage data --shard i` runs, here with grouped admission) together
+    equal the unsharded data."""
     import gzip
     import yaml
     whole = tiny_config(tiny_target, tmp_path / "whole" / "x", "gqa")
@@ -334,7 +335,8 @@ def test_sharded_regeneration_from_gzip_prompts(tiny_target, tmp_path):
     gz = tmp_path / "prompts.json.gz"
     gz.write_bytes(gzip.compress((tiny_target / "prompts.json").read_bytes()))
     cfg = tiny_config(tiny_target, tmp_path / "sh" / "x", "gqa", steps=2, eval_every=1)
-    cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"prompts_file": str(gz), "num_shards": 2})})
+    cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"prompts_file": str(gz), "num_shards": 2,
+                                                                      "gen_batch": 3, "gen_admit_min_slots": 2})})
     path = tmp_path / "sh.yaml"
     path.write_text(yaml.safe_dump(cfg.model_dump(exclude_none=True)))
     assert main(["--config", str(path), "--stage", "data", "--shard", "1"]) == 0
