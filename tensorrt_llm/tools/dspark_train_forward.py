@@ -213,9 +213,10 @@ def block_loss(drafter, hidden: torch.Tensor, labels: torch.Tensor, prev_ids: to
     ce = F.cross_entropy(logits, labels[valid], reduction="none")
     per_slot, stats = ce, {}
     if kd_weight > 0:
-        if teacher_hidden is None or teacher_hidden.shape[:3] != labels.shape:
+        got = None if teacher_hidden is None else tuple(teacher_hidden.shape)
+        if got is None or got[:3] != tuple(labels.shape):
             raise ValueError(f"distillation needs teacher_hidden [S, A, B, H] matching labels "
-                             f"{tuple(labels.shape)}, got {None if teacher_hidden is None else tuple(teacher_hidden.shape)}")
+                             f"{tuple(labels.shape)}, got {got}")
         with torch.no_grad():
             t_logp = F.log_softmax(drafter.draft_logits(teacher_hidden[valid]), dim=-1)
         kl = (t_logp.exp() * (t_logp - F.log_softmax(logits, dim=-1))).sum(-1)

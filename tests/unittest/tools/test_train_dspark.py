@@ -463,8 +463,9 @@ def test_train_on_h200_script_rounds_on_cpu(tiny_target, tmp_path):
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
-    bad = subprocess.run(["bash", str(script), "--model", str(tiny_target), "--prompts", str(tiny_target / "prompts.json"),
-                          "--out", str(tmp_path / "bad"), "--procs-per-gpu", "0"], env=env, capture_output=True, text=True)
+    bad = subprocess.run(["bash", str(script), "--model", str(tiny_target), "--prompts",
+                          str(tiny_target / "prompts.json"), "--out", str(tmp_path / "bad"), "--procs-per-gpu", "0"],
+                         env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "--procs-per-gpu must be a positive integer, got 0" in bad.stderr
     run("r0", "--minutes", "0.001", "--min-steps", "3")
     assert int((tmp_path / "r0" / "steps.txt").read_text()) == 3          # probe -> the floor
