@@ -24,7 +24,8 @@
 #             transformers arm runs on GPU 1; returns the MLA drafter
 #   fetch   : B=gqa|mla: returns that trained drafter (tar parts)
 #   bench   : throughput table (no-spec FLASHINFER+graphs, DSpark MLA / GQA, VANILLA); extras;
-#             returns the GQA drafter
+#             EXTRA_YAML="key: value\n..." is appended to the three FLASHINFER arms' args; returns the
+#             GQA drafter
 set -uo pipefail
 STAGE=$1
 export PYTHONPATH=/tmp/site:$PWD CUDA_HOME=/usr/local/cuda MAX_JOBS=16 FLASHINFER_WORKSPACE_BASE=/tmp/fiws
@@ -81,6 +82,7 @@ bench)
   printf "attn_backend: VANILLA\nkv_cache_config: {max_tokens: 65536}\n" > /tmp/yaml/vanilla.yaml
   printf "attn_backend: FLASHINFER\nuse_cuda_graph: true\nkv_cache_config: {max_tokens: 262144}\n" > /tmp/yaml/fi.yaml
   for d in gqa mla; do printf "attn_backend: FLASHINFER\nuse_cuda_graph: true\nkv_cache_config: {max_tokens: 262144}\nspeculative_config: {decoding_type: DSpark, speculative_model: $RUNS/$d/drafter}\n" > /tmp/yaml/$d.yaml; done
+  for arm in fi mla gqa; do printf "%b" "${EXTRA_YAML:-}" >> /tmp/yaml/$arm.yaml; done   # e.g. "batch_wait_timeout_iters: 4\n"
   for arm in fi mla gqa; do
     timeout 110 $B --extra-llm-api-options /tmp/yaml/$arm.yaml --concurrency 1 16 64 --waves 2 --max-tokens 256 --json $OUT/bench_$arm.json 2>&1 | grep "^|" | tail -4
     stamp "$arm"
