@@ -411,11 +411,11 @@ def train(cfg: DSparkTrainConfig, rows: list[dict],
         gnorm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), t.grad_clip)
         opt.step()
         step += 1
-        loss_v, gnorm_v, acc_v = torch.stack([loss.detach().float(), gnorm.float(), stats["acc"]]).tolist()
+        extra = [stats["kl"].float()] if "kl" in stats else []
+        loss_v, gnorm_v, acc_v, *kl = torch.stack([loss.detach().float(), gnorm.float(), stats["acc"],
+                                                    *extra]).tolist()     # one host sync per step
         rec = {"step": step, "loss": loss_v, "lr": lr, "grad_norm": gnorm_v, "acc": acc_v,
-               "time_s": round(time.perf_counter() - t_run, 3)}
-        if "kl" in stats:
-            rec["kl"] = float(stats["kl"])
+               "time_s": round(time.perf_counter() - t_run, 3), **({"kl": kl[0]} if kl else {})}
         if eval_rows and (step % t.eval_every == 0 or step == t.steps):
             last_eval = evaluate(drafter, capture, eval_rows, eval_anchors, t.batch_size, t.gamma, autocast)
             evaluated_at = step
