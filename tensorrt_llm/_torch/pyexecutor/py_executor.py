@@ -18,7 +18,7 @@ import torch
 from .llm_request import LlmRequest, RequestState
 from .model_engine import ForwardOutput, ForwardSegment, ModelEngine
 from .resource_manager import KVCacheManager
-from .sampler import Sampler
+from .sampler import Sampler, host_ints
 from .scheduler import ScheduledBatch, Scheduler
 
 logger = logging.getLogger("tensorrt_llm")
@@ -34,6 +34,7 @@ class PyExecutor:
         self.spec = spec_worker
         self._incoming: "queue.Queue[tuple[LlmRequest, UpdateCallback]]" = queue.Queue()
         self._callbacks: dict[int, UpdateCallback] = {}
+        self._final_notices: Optional[list[tuple[LlmRequest, list[int]]]] = None   # inside a step
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -107,15 +108,23 @@ class PyExecutor:
                 self._notify(req, [])
             return
         self.iterations += 1
-        reqs, segments = self._build_segments(batch)
-        out = self.engine.forward(segments)
-        committed = self._update_requests(reqs, segments, len(batch.context_requests), out)
-        if self.spec is not None:
-            self.spec.draft_step(committed, out.captured, self.kv)
-        for req in self.scheduler.remove_finished():
-            self.sampler.release(req.request_id)
+        # A request's final notice waits until its pages are back in the pool, so a caller that
+        # sees it finished also sees its KV freed (no race with the next request's admission).
+        self._final_notices = []
+        try:
+            reqs, segments = self._build_segments(batch)
+            out = self.engine.forward(segments)
+            committed = self._update_requests(reqs, segments, len(batch.context_requests), out)
             if self.spec is not None:
-                self.spec.release(req)
+                self.spec.draft_step(committed, out.captured, self.kv)
+            for req in self.scheduler.remove_finished():
+                self.sampler.release(req.request_id)
+                if self.spec is not None:
+                    self.spec.release(req)
+        finally:
+            notices, self._final_notices = self._final_notices, None
+            for req, tokens in notices:
+                self._deliver(req, tokens)
 
     def _build_segments(self, batch: ScheduledBatch) -> tuple[list[LlmRequest], list[ForwardSegment]]:
         """Requests of the step (prompt chunks first) and their forward segments; owns their pages."""
@@ -141,10 +150,18 @@ class PyExecutor:
                          out: ForwardOutput) -> list[tuple[LlmRequest, int, int, int]]:
         """Sample / verify, append, stop, notify and publish blocks; returns what the drafter
         needs, (req, row0, start, n) per request (empty without a drafter)."""
-        # One device->host sync for every greedy choice of the step (not one per request).
-        greedy_ids = out.logits.argmax(-1).tolist() if out.logits.shape[0] else []
-        committed: list[tuple[LlmRequest, int, int, int]] = []
         spec, kv = self.spec, self.kv
+        # One device->host sync for every token choice of the step: the argmax of every row, with
+        # the rows of sampling requests (prompt ends, and plain decode steps) overwritten by draws.
+        ids = out.logits.argmax(-1) if out.logits.shape[0] else None
+        rows = [(out.logits_offsets[i], req) for i, (req, seg) in enumerate(zip(reqs, segments))
+                if not req.sampling_params.greedy and (i < num_ctx and seg.num_logits or i >= num_ctx and spec is None)]
+        if rows:
+            at = host_ints([r for r, _ in rows], ids.device)
+            ids[at] = self.sampler.sample_rows(out.logits[at], [q.request_id for _, q in rows],
+                                               [q.sampling_params for _, q in rows])
+        greedy_ids = ids.tolist() if ids is not None else []   # sampled rows hold their draw
+        committed: list[tuple[LlmRequest, int, int, int]] = []
         publish = spec is None and kv.pool.enable_reuse   # with a drafter, draft_step commits
         for i, (req, seg) in enumerate(zip(reqs, segments)):
             lo = out.logits_offsets[i]
@@ -154,16 +171,14 @@ class PyExecutor:
                     if spec is not None:
                         committed.append((req, out.token_offsets[i], seg.start, len(seg.token_ids)))
                     if seg.num_logits:
-                        tok = self._sample_one(out.logits, greedy_ids, lo, req)
+                        tok = greedy_ids[lo]
                         req.state = RequestState.GENERATION
                         if req.first_token_time is None:
                             req.first_token_time = time.perf_counter()
                         self._append(req, [tok])
                 elif spec is None:
                     req.num_computed += 1
-                    self._append(req, [greedy_ids[lo] if req.sampling_params.greedy
-                                       else self.sampler.sample_row(out.logits[lo], req.request_id,
-                                                                    req.sampling_params)])
+                    self._append(req, [greedy_ids[lo]])
                 else:
                     n = seg.num_logits
                     new = spec.accept(req, out.logits[lo:lo + n], greedy_ids[lo:lo + n])
@@ -181,11 +196,6 @@ class PyExecutor:
                 req.finish("error")
                 self._notify(req, [])
         return committed
-
-    def _sample_one(self, logits: torch.Tensor, greedy_ids: list[int], row: int, req: LlmRequest) -> int:
-        if req.sampling_params.greedy:
-            return greedy_ids[row]
-        return self.sampler.sample_row(logits[row], req.request_id, req.sampling_params)
 
     def _draft_room(self, generating: bool) -> int:
         return self.spec.lookahead_tokens if (self.spec is not None and generating) else 0
@@ -219,6 +229,12 @@ class PyExecutor:
         return any(s in tail for s in stops)
 
     def _notify(self, req: LlmRequest, new_tokens: list[int]) -> None:
+        if req.is_finished and self._final_notices is not None:
+            self._final_notices.append((req, new_tokens))   # delivered at the end of the step
+        else:
+            self._deliver(req, new_tokens)
+
+    def _deliver(self, req: LlmRequest, new_tokens: list[int]) -> None:
         cb = self._callbacks.get(req.request_id)
         if cb is not None:
             cb(req, new_tokens)

@@ -1,4 +1,12 @@
-"""Token sampling: greedy, temperature / top-k / top-p with per-request seeded generators."""
+"""Token sampling: greedy, temperature / top-k / top-p, seeded per request.
+
+Plain (non-speculative) sampling is batched: every sampled row of a step is drawn in one pass with
+the exponential race (token = argmax p / E, E ~ Exp(1)), whose noise is a counter-based hash of
+(request seed, draw index, vocab id). A request's tokens therefore depend only on its own seed and
+how many tokens it has drawn, never on which other requests share the step, and the step needs no
+device sync per request. Speculative verification keeps a torch.Generator per request
+(`Sampler.generator`) for its rejection-sampling draws.
+"""
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -30,38 +38,94 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return probs
 
 
+_M32 = 0xFFFFFFFF
+_MUL = 0x45D9F3B         # < 2**31: products of 32-bit values stay inside int64
+
+
+def mix32(x):
+    """32-bit integer hash (xorshift-multiply); works on Python ints and int64 tensors in [0, 2**32)."""
+    x = ((x >> 16) ^ x) * _MUL & _M32
+    x = ((x >> 16) ^ x) * _MUL & _M32
+    return (x >> 16) ^ x
+
+
+def draw_key(seed: int, draw: int) -> int:
+    """The noise key of a request's `draw`-th sampled token (a bijection of draw for a fixed seed)."""
+    base = mix32(mix32(seed & _M32) ^ mix32((seed >> 32) & _M32 ^ 0x632BE5AB))
+    return mix32((base + draw * 0x9E3779B1) & _M32)
+
+
+def race_noise(keys: torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
+    """keys [N] int64, vocab_hash [V] int64 -> Exp(1) noise [N, V] float32 (24-bit uniforms)."""
+    h = mix32(keys[:, None] ^ vocab_hash[None, :])
+    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(u)
+
+
+def host_ints(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Python ints -> int64 tensor on `device`, copied from pinned memory (no wait on the GPU queue)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 class Sampler:
-    """Holds one torch.Generator per sampling request (seeded per request)."""
+    """Per-request sampling state: draw counters (batched path) and torch.Generators (speculative)."""
 
     def __init__(self, default_seed: int, device: torch.device):
         self.default_seed = default_seed
         self.device = device
         self._gens: dict[int, torch.Generator] = {}
+        self._draws: dict[int, int] = {}
+        self._vocab_hash: Optional[torch.Tensor] = None
+
+    def _seed(self, request_id: int, params: SamplingParams) -> int:
+        return params.seed if params.seed is not None else self.default_seed * 1_000_003 + request_id
 
     def generator(self, request_id: int, params: SamplingParams) -> torch.Generator:
         g = self._gens.get(request_id)
         if g is None:
-            seed = params.seed if params.seed is not None else self.default_seed * 1_000_003 + request_id
             g = torch.Generator(device=self.device)
-            g.manual_seed(seed)
+            g.manual_seed(self._seed(request_id, params))
             self._gens[request_id] = g
         return g
 
     def release(self, request_id: int) -> None:
         self._gens.pop(request_id, None)
+        self._draws.pop(request_id, None)
 
     def sample(self, logits: torch.Tensor, request_ids: Sequence[int],
                params: Sequence[SamplingParams]) -> list[int]:
-        """logits [N, V] float32, one row per request -> N token ids."""
-        out = logits.argmax(-1).tolist()
-        for i, (rid, p) in enumerate(zip(request_ids, params)):
-            if not p.greedy:
-                out[i] = self.sample_row(logits[i], rid, p)
-        return out
+        """logits [N, V] float32, one row per request -> N token ids (one device sync)."""
+        ids = logits.argmax(-1)
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if rows:
+            ids[rows] = self.sample_rows(logits[rows], [request_ids[i] for i in rows], [params[i] for i in rows])
+        return ids.tolist()
 
-    def sample_row(self, logits: torch.Tensor, request_id: int, params: SamplingParams,
-                   probs: Optional[torch.Tensor] = None) -> int:
-        """logits [V] -> one sampled id (from `probs` [V] when given)."""
-        if probs is None:
-            probs = processed_probs(logits[None], params)[0]
-        return int(torch.multinomial(probs, 1, generator=self.generator(request_id, params)).item())
+    def sample_rows(self, logits: torch.Tensor, request_ids: Sequence[int],
+                    params: Sequence[SamplingParams]) -> torch.Tensor:
+        """logits [N, V] of non-greedy requests -> sampled ids [N] int64 on logits' device (no sync).
+
+        Rows sharing sampling settings are processed together; each request's draw counter advances by one.
+        """
+        n, vocab = logits.shape
+        if self._vocab_hash is None or self._vocab_hash.numel() != vocab or self._vocab_hash.device != logits.device:
+            self._vocab_hash = mix32(torch.arange(vocab, dtype=torch.int64, device=logits.device) * 0x9E3779B1 & _M32)
+        keys = []
+        for rid, p in zip(request_ids, params):
+            k = self._draws.get(rid, 0)
+            self._draws[rid] = k + 1
+            keys.append(draw_key(self._seed(rid, p), k))
+        probs = torch.empty_like(logits, dtype=torch.float32)
+        groups: dict[tuple, list[int]] = {}
+        for i, p in enumerate(params):
+            groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(i)
+        for members in groups.values():
+            idx = members if len(members) < n else slice(None)
+            probs[idx] = processed_probs(logits[idx].float(), params[members[0]])
+        noise = race_noise(host_ints(keys, logits.device), self._vocab_hash)
+        return (probs / noise).argmax(-1)
+
+    def sample_row(self, logits: torch.Tensor, request_id: int, params: SamplingParams) -> int:
+        """logits [V] -> one sampled id (the batched path on one row; syncs)."""
+        return int(self.sample_rows(logits[None], [request_id], [params])[0])

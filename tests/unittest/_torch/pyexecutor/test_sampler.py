@@ -95,6 +95,40 @@ def test_batch_sample_mixes_greedy_and_random_rows():
     assert out == [0, 7]
 
 
+def test_batched_rows_equal_each_request_alone():
+    """A request's draws depend on its seed and draw count only, not on the other rows of the step."""
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=4),
+              SamplingParams(temperature=1.0, top_p=0.8, seed=3)]
+    logits = torch.stack([LOGITS, LOGITS.flip(0), LOGITS * 0.3])
+    batched = Sampler(0, CPU)
+    rows = [batched.sample_rows(logits, [10, 11, 12], params).tolist() for _ in range(40)]
+    for j, p in enumerate(params):
+        alone = Sampler(0, CPU)
+        assert [r[j] for r in rows] == [alone.sample_row(logits[j], 10 + j, p) for _ in range(40)]
+    # negative control: another request id (another default seed) draws another sequence
+    other = Sampler(0, CPU)
+    assert [r[0] for r in rows] != [other.sample_row(logits[0], 99, params[0]) for _ in range(40)]
+
+
+def test_race_noise_is_uniform_and_independent_across_draws_and_rows():
+    """Flat logits over 16 tokens: draws are uniform, consecutive draws of one request and the
+    same draw of neighbouring requests are independent (chi2 on 16 and 16 x 16 cells)."""
+    flat = torch.zeros(200, 16)
+    s = Sampler(0, CPU)
+    draws = torch.stack([s.sample_rows(flat, list(range(200)), [SamplingParams(temperature=1.0)] * 200)
+                         for _ in range(60)])                                    # [60 draws, 200 requests]
+    uniform = torch.full((16,), 1 / 16)
+    assert _chi2(draws.flatten(), uniform)[0] < 37.7                             # dof 15, p = 0.001
+    pairs_t = (draws[:-1] * 16 + draws[1:]).flatten()                            # draw k, k+1 of a request
+    pairs_r = (draws[:, :-1] * 16 + draws[:, 1:]).flatten()                      # requests r, r+1
+    crit = 330.5                                                                 # dof 255, p = 0.001
+    assert _chi2(pairs_t, torch.full((256,), 1 / 256))[0] < crit
+    assert _chi2(pairs_r, torch.full((256,), 1 / 256))[0] < crit
+    # negative control: pairs of a draw with itself fill only the diagonal
+    same = (draws * 16 + draws).flatten()
+    assert _chi2_loose(same, torch.full((256,), 1 / 256)) > 10 * crit
+
+
 # ---- end to end ---------------------------------------------------------------------------
 @pytest.fixture
 def llm(tiny_llama_dir, make_llm):
