@@ -65,7 +65,8 @@ def paired_t(x: Sequence[float], y: Sequence[float]) -> tuple[float, float, floa
 def run_arm(model: str, drafter: str, prompts: dict[str, list[dict]], temperature: float,
             max_tokens: int, concurrency: int, device: Optional[str], extra: dict) -> dict[str, list[dict]]:
     from .. import LLM, SamplingParams
-    spec = {"decoding_type": "DSpark", "speculative_model": drafter}
+    spec = {"decoding_type": "DSpark", "speculative_model": drafter, **extra.get("spec", {})}
+    extra = {k: v for k, v in extra.items() if k != "spec"}
     results: dict[str, list[dict]] = {}
     with LLM(model, device=device, speculative_config=spec, max_batch_size=concurrency, **extra) as llm:
         for name, items in prompts.items():
@@ -142,6 +143,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     ap.add_argument("--kv-max-tokens", type=int, default=None)
     ap.add_argument("--cuda-graph", action="store_true", help="use_cuda_graph=True (FLASHINFER on CUDA)")
     ap.add_argument("--attn-backend", default="AUTO")
+    ap.add_argument("--rejection-sampler", default="auto", choices=["auto", "torch", "flashinfer"],
+                    help="speculative_config.rejection_sampler for T>0 (torch skips flashinfer's JIT)")
     ap.add_argument("--prompts-file", help="read prompts exported by --export-prompts (offline)")
     ap.add_argument("--export-prompts", help="write the eval prompts to this JSON file and exit")
     ap.add_argument("--json", help="write results here")
@@ -172,6 +175,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     extra: dict = {"max_seq_len": a.max_seq_len, "attn_backend": a.attn_backend, "use_cuda_graph": a.cuda_graph}
     if a.kv_max_tokens:
         extra["kv_cache_config"] = {"max_tokens": a.kv_max_tokens}
+    extra["spec"] = {"rejection_sampler": a.rejection_sampler}
     report: dict = {"command": "python -m tensorrt_llm.bench.eval_acceptance", "args": vars(a),
                     "results": {}}
     for temp in a.temperature:

@@ -294,4 +294,5 @@ def create_dspark_worker(cfg: DSparkDecodingConfig, target: torch.nn.Module, dty
     h = hashlib.sha256(str(Path(cfg.speculative_model).resolve()).encode())
     for f in sorted(Path(cfg.speculative_model).glob("*.safetensors")):
         h.update(str(f.stat().st_size).encode() + str(f.stat().st_mtime_ns).encode())
-    return DSparkWorker(cfg, drafter, backend, res, device, dtype, h.hexdigest()[:16])
+    rejection = None if cfg.rejection_sampler == "auto" else cfg.rejection_sampler
+    return DSparkWorker(cfg, drafter, backend, res, device, dtype, h.hexdigest()[:16], rejection_sampler=rejection)

@@ -217,3 +217,23 @@ def test_full_drafts_near_max_tokens_commit_capped(tiny_llama_dir, drafters, bas
     # negative control: counting every drafted token (uncapped) gives other statistics
     assert sum(uncapped["hist"]) == sum(hist)
     assert uncapped["hist"] != hist and uncapped["drafted"] > drafted
+
+
+def test_rejection_sampler_config(tiny_llama_dir, drafters):
+    """speculative_config.rejection_sampler reaches the worker; a CUDA-only choice on CPU and an
+    unknown name are rejected with the name in the error."""
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=4, ignore_eos=True)
+    for name in ("torch", "auto"):
+        with LLM(str(tiny_llama_dir), device="cpu", kv_cache_config={"max_tokens": 512},
+                 speculative_config=_spec(drafters["gqa"], rejection_sampler=name)) as llm:
+            chosen = llm.capacity_report["drafter"]["rejection_sampler"]
+            assert chosen["name"] == "torch", chosen                   # auto on CPU resolves to torch
+            assert ("CUDA device" in chosen["reason"]) == (name == "auto")
+            outs = llm.generate(PROMPTS[:2], params)
+            assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    with pytest.raises(ValueError, match="'flashinfer' cannot run"):
+        LLM(str(tiny_llama_dir), device="cpu", kv_cache_config={"max_tokens": 512},
+            speculative_config=_spec(drafters["gqa"], rejection_sampler="flashinfer"))
+    with pytest.raises(ValueError, match="rejection_sampler"):
+        LLM(str(tiny_llama_dir), device="cpu", kv_cache_config={"max_tokens": 512},
+            speculative_config=_spec(drafters["gqa"], rejection_sampler="cuda"))
