@@ -112,6 +112,7 @@ def _data_meta(cfg: DSparkTrainConfig) -> dict[str, Any]:
             "num_prompts": d.num_prompts, "skip_prompts": d.skip_prompts,
             "max_prompt_tokens": d.max_prompt_tokens,
             "max_new_tokens": d.max_new_tokens, "temperature": d.temperature,
+            "answers_per_prompt": d.answers_per_prompt,
             "seed": cfg.train.seed if d.temperature > 0 else None, "num_shards": d.num_shards}
 
 
@@ -156,7 +157,10 @@ def regenerate(cfg: DSparkTrainConfig, shard: int = 0) -> list[dict]:
     from .. import LLM, SamplingParams
     from ..llmapi.tokenizer import TokenizerWrapper
     d = cfg.data
-    prompts = select_prompts(d, TokenizerWrapper(cfg.target))[shard::d.num_shards]
+    distinct = select_prompts(d, TokenizerWrapper(cfg.target))
+    # (prompt, answer index) pairs: every prompt's answer 0, then every prompt's answer 1, ...
+    items = [(ids, k) for k in range(d.answers_per_prompt) for ids in distinct][shard::d.num_shards]
+    prompts = [ids for ids, _ in items]
     t0 = time.perf_counter()
     max_seq = d.max_prompt_tokens + d.max_new_tokens
     llm = LLM(cfg.target, device=cfg.train.device, attn_backend=d.attn_backend, max_batch_size=d.gen_batch,
@@ -175,8 +179,10 @@ def regenerate(cfg: DSparkTrainConfig, shard: int = 0) -> list[dict]:
                     break
                 t_chunk = time.perf_counter()
                 part = prompts[lo:lo + chunk]
+                # answer k of a prompt draws from its own seed (k = 0: the seeds of one answer per prompt)
                 params = [SamplingParams(max_tokens=d.max_new_tokens, temperature=d.temperature,
-                                         seed=cfg.train.seed + lo + i) for i in range(len(part))]
+                                         seed=cfg.train.seed + lo + i + items[lo + i][1] * 1_000_003)
+                          for i in range(len(part))]
                 for p, out in zip(part, llm.generate(part, params)):
                     if out.outputs[0].finish_reason == "error":
                         raise ValueError(f"regeneration failed: {out.outputs[0].error}")

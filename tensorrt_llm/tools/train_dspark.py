@@ -104,6 +104,10 @@ class DataConfig(_Strict):
         default=256, ge=8, description="Longer chat-templated prompts are skipped.")
     max_new_tokens: int = Field(default=384, ge=2, description="Tokens the target generates per prompt.")
     temperature: float = Field(default=0.0, ge=0.0, description="Regeneration temperature; 0 = greedy.")
+    answers_per_prompt: int = Field(
+        default=1, ge=1, le=64, description="Sampled answers per prompt (each its own seed; needs "
+        "temperature > 0). All prompts get their first answer before any gets a second, so a time "
+        "box keeps the prompts diverse.")
     gen_batch: int = Field(default=128, ge=1, description="Requests in flight (LLM max_batch_size).")
     gen_max_num_tokens: int = Field(default=8192, ge=64, description="LLM token budget per step.")
     gen_admit_min_slots: int = Field(
@@ -123,6 +127,13 @@ class DataConfig(_Strict):
         "i::num_shards into <cache>.shard<i>.jsonl (e.g. one process per GPU); training reads all shards.")
 
     _paths = field_validator("prompts_file", "sharegpt_file", "cache_file")(_expand)
+
+    @model_validator(mode="after")
+    def _answers_need_sampling(self) -> "DataConfig":
+        if self.answers_per_prompt > 1 and self.temperature == 0:
+            raise ValueError(f"data.answers_per_prompt={self.answers_per_prompt} needs data.temperature > 0 "
+                             "(greedy answers of one prompt are all the same)")
+        return self
 
 
 class TrainConfig(_Strict):
@@ -344,7 +355,10 @@ def _split(rows: list[dict], t: TrainConfig, block: int) -> tuple[list[dict], li
     n_eval = min(t.eval_max_sequences, len(eligible), len(keep) - 1,
                  max(1, round(len(keep) * t.eval_fraction)) if t.eval_fraction > 0 else 0)
     held = set(eligible[:n_eval])
-    return [keep[i] for i in perm if i not in held], [keep[i] for i in sorted(held)]
+    # prompt-disjoint: other answers of a held-out prompt (data.answers_per_prompt > 1) are not trained on
+    held_prompts = {tuple(keep[i]["prompt_ids"]) for i in held}
+    train_rows = [keep[i] for i in perm if i not in held and tuple(keep[i]["prompt_ids"]) not in held_prompts]
+    return train_rows, [keep[i] for i in sorted(held)]
 
 
 def train(cfg: DSparkTrainConfig, rows: list[dict],

@@ -17,7 +17,7 @@ from tensorrt_llm._torch.models.modeling_dspark import DSparkForCausalLMBase, lo
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
 from tensorrt_llm.tools.dspark_train_forward import (IGNORE_INDEX, block_inputs, block_labels, block_logits,
                                                      build_block_mask, expected_accept_length, train_forward)
-from tensorrt_llm.tools.train_dspark import DSparkTrainConfig, load_data, main, regenerate, train
+from tensorrt_llm.tools.train_dspark import DSparkTrainConfig, _split, load_data, main, regenerate, train
 
 VOCAB, SPECIALS = 512, ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<mask>"]
 MASK_ID = 3
@@ -371,6 +371,30 @@ def test_sampled_regeneration_is_seeded(tiny_target, tmp_path):
     assert a == again
     assert sum(x["output_ids"] != y["output_ids"] for x, y in zip(a, greedy)) >= 6
     assert sum(x["output_ids"] != y["output_ids"] for x, y in zip(a, other)) >= 6
+
+
+def test_answers_per_prompt(tiny_target, tmp_path):
+    """data.answers_per_prompt = 2: every prompt's first answer (the same tokens as one answer per
+    prompt), then every prompt's second one from another seed; the held-out split is
+    prompt-disjoint; greedy with more than one answer is rejected."""
+    def cfg_for(name: str, n: int):
+        cfg = tiny_config(tiny_target, tmp_path / name / "x", "gqa")
+        return cfg.model_copy(update={"data": cfg.data.model_copy(update={"temperature": 0.9,
+                                                                          "answers_per_prompt": n})})
+    one = regenerate(cfg_for("one", 1))
+    two = regenerate(cfg_for("two", 2))
+    assert len(two) == 2 * len(one) == 24
+    assert two[:12] == one                                        # answer 0 keeps the one-answer seeds
+    assert [r["prompt_ids"] for r in two[12:]] == [r["prompt_ids"] for r in one]
+    assert sum(a["output_ids"] != b["output_ids"] for a, b in zip(two[12:], one)) >= 6   # new answers
+    tcfg = cfg_for("two", 2).train.model_copy(update={"eval_fraction": 0.2, "eval_max_sequences": 3})
+    train_rows, held = _split(two, tcfg, 4)
+    held_prompts = {tuple(r["prompt_ids"]) for r in held}
+    assert len(held) == 3 and not held_prompts & {tuple(r["prompt_ids"]) for r in train_rows}
+    assert len(train_rows) == len(two) - 2 * len(held_prompts)      # the other answers of held prompts
+    with pytest.raises(ValueError, match="answers_per_prompt=2 needs data.temperature > 0"):
+        tiny_config(tiny_target, tmp_path / "g" / "x", "gqa").data.model_validate(
+            {"answers_per_prompt": 2, "prompts_file": str(tiny_target / "prompts.json")})
 
 
 def test_shipped_configs_fit_budget():
