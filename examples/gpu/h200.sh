@@ -21,7 +21,8 @@
 #             returns early once training is done); TESTS=1 also runs the
 #             GPU tests meanwhile (they JIT-compile the flashinfer kernels into /tmp/fiws)
 #   eval    : waits for training; AL tables (T=0 all sets, T=0.7 first 40) on GPU 0 while the HF
-#             transformers arm runs on GPU 1; returns the MLA drafter
+#             transformers arm runs on GPU 1; returns the MLA drafter. AL_REJ=torch verifies T=0.7
+#             without flashinfer's sampling kernel (its first-use JIT took > 170 s on one H200)
 #   fetch   : B=gqa|mla: returns that trained drafter (tar parts)
 #   bench   : throughput table (no-spec FLASHINFER+graphs, DSpark MLA / GQA, VANILLA); extras;
 #             EXTRA_YAML="key: value\n..." is appended to the three FLASHINFER arms' args; returns the
@@ -105,7 +106,8 @@ eval)
     --concurrency 1 16 64 --hf-baseline --hf-static-cache --json $OUT/bench_hf.json > /tmp/hf.log 2>&1 &
   HF=$!
   AL="python3 -m tensorrt_llm.bench.eval_acceptance --model $M --drafter gqa=$RUNS/gqa/drafter --drafter mla=$RUNS/mla/drafter
-    --prompts-file /tmp/persist/eval_prompts.json --concurrency 64 --cuda-graph --attn-backend FLASHINFER --kv-max-tokens 262144"
+    --prompts-file /tmp/persist/eval_prompts.json --concurrency 64 --cuda-graph --attn-backend FLASHINFER --kv-max-tokens 262144
+    --rejection-sampler ${AL_REJ:-auto}"
   CUDA_VISIBLE_DEVICES=0 timeout ${AL_S:-300} $AL --temperature 0 --max-tokens 256 --json $OUT/eval_al_t0.json 2>&1 | grep -v "^\[" | tail -14
   stamp "AL T=0 done"
   [[ ${AL7_S:-150} -gt 0 ]] && CUDA_VISIBLE_DEVICES=0 timeout ${AL7_S:-150} $AL --temperature 0.7 --limit 40 --max-tokens 128 --json $OUT/eval_al_t07.json 2>&1 | grep -v "^\[" | tail -14
