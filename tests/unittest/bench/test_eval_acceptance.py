@@ -83,3 +83,22 @@ def test_report_retabulates_a_saved_json(tmp_path, capsys):
     bad.write_text("{}")
     with pytest.raises(ValueError, match="bad.json"):
         ea.main(["--report", str(bad)])
+
+
+def test_by_category_regroups_mtbench_and_pools_per_group():
+    recs = lambda acc: [{"id": "mt1", "steps": 10, "accepted": acc[0], "category": "math"},
+                        {"id": "mt2", "steps": 10, "accepted": acc[1]},                 # from the id map
+                        {"id": "mt3", "steps": 10, "accepted": acc[2], "category": "writing"}]
+    arms = {"a": {"mtbench": recs([10, 20, 30]), "gsm8k": [{"id": "g0", "steps": 5, "accepted": 5}]},
+            "b": {"mtbench": recs([12, 22, 30]), "gsm8k": [{"id": "g0", "steps": 5, "accepted": 9}]}}
+    grouped = ea.by_category(arms, {"mt2": "math"})
+    assert list(grouped["a"]) == ["mtbench/math", "mtbench/writing"]                # gsm8k has none
+    rows = {r["set"]: r for r in ea.summarize(grouped, [("b", "a")])}
+    assert rows["mtbench/math"]["a_AL"] == pytest.approx(1 + 30 / 20)
+    assert rows["mtbench/math"]["b-a"] == pytest.approx(0.2)
+    assert rows["mtbench/writing"]["n"] == 1 and rows["mtbench/writing"]["b-a"] != rows["mtbench/writing"]["b-a"]  # NaN
+    # negative control: without categories the whole set pools into one row with another AL
+    whole = {r["set"]: r for r in ea.summarize(arms, [("b", "a")])}
+    assert whole["mtbench"]["a_AL"] == pytest.approx(3.0) != rows["mtbench/math"]["a_AL"]
+    with pytest.raises(ValueError, match="no per-prompt categories"):
+        ea.by_category({"a": {"gsm8k": arms["a"]["gsm8k"]}})
