@@ -4,12 +4,13 @@ Plain (non-speculative) sampling is batched: every sampled row of a step is draw
 the exponential race (token = argmax p / E, E ~ Exp(1)), whose noise is a counter-based hash of
 (request seed, draw index, vocab id). A request's tokens therefore depend only on its own seed and
 how many tokens it has drawn, never on which other requests share the step, and the step needs no
-device sync per request. Speculative verification keeps a torch.Generator per request
+device sync per request. DSpark drafting draws its proposals the same way from a separate
+"draft" stream of the same seed; speculative verification keeps a torch.Generator per request
 (`Sampler.generator`) for its rejection-sampling draws.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Literal, Optional, Sequence
 
 import torch
 
@@ -49,10 +50,31 @@ def mix32(x):
     return (x >> 16) ^ x
 
 
-def draw_key(seed: int, draw: int) -> int:
-    """The noise key of a request's `draw`-th sampled token (a bijection of draw for a fixed seed)."""
+SamplingStream = Literal["token", "draft"]
+_STREAM_SALT = {"token": 0, "draft": 0x27D4EB2F}
+
+
+def draw_key(seed: int, draw: int, stream: SamplingStream = "token") -> int:
+    """The noise key of a request's `draw`-th draw in `stream` (a bijection of draw for a fixed
+    seed and stream); "token" draws commit tokens, "draft" draws propose speculative drafts."""
     base = mix32(mix32(seed & _M32) ^ mix32((seed >> 32) & _M32 ^ 0x632BE5AB))
+    if _STREAM_SALT[stream]:
+        base = mix32(base ^ _STREAM_SALT[stream])
     return mix32((base + draw * 0x9E3779B1) & _M32)
+
+
+def processed_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """logits [N, V] with one SamplingParams per row -> probabilities [N, V] float32 (rows sharing
+    temperature / top-k / top-p are processed together)."""
+    n = logits.shape[0]
+    probs = torch.empty_like(logits, dtype=torch.float32)
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(i)
+    for members in groups.values():
+        idx = members if len(members) < n else slice(None)
+        probs[idx] = processed_probs(logits[idx].float(), params[members[0]])
+    return probs
 
 
 def race_noise(keys: torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
@@ -75,7 +97,7 @@ class Sampler:
         self.default_seed = default_seed
         self.device = device
         self._gens: dict[int, torch.Generator] = {}
-        self._draws: dict[int, int] = {}
+        self._draws: dict[tuple[int, str], int] = {}
         self._vocab_hash: Optional[torch.Tensor] = None
 
     def _seed(self, request_id: int, params: SamplingParams) -> int:
@@ -91,7 +113,8 @@ class Sampler:
 
     def release(self, request_id: int) -> None:
         self._gens.pop(request_id, None)
-        self._draws.pop(request_id, None)
+        for stream in _STREAM_SALT:
+            self._draws.pop((request_id, stream), None)
 
     def sample(self, logits: torch.Tensor, request_ids: Sequence[int],
                params: Sequence[SamplingParams]) -> list[int]:
@@ -104,26 +127,23 @@ class Sampler:
 
     def sample_rows(self, logits: torch.Tensor, request_ids: Sequence[int],
                     params: Sequence[SamplingParams]) -> torch.Tensor:
-        """logits [N, V] of non-greedy requests -> sampled ids [N] int64 on logits' device (no sync).
+        """logits [N, V] of non-greedy requests -> sampled ids [N] int64 on logits' device (no sync);
+        each request's "token" draw counter advances by one."""
+        return self.draw(processed_rows(logits, params), request_ids, params)
 
-        Rows sharing sampling settings are processed together; each request's draw counter advances by one.
-        """
-        n, vocab = logits.shape
-        if self._vocab_hash is None or self._vocab_hash.numel() != vocab or self._vocab_hash.device != logits.device:
-            self._vocab_hash = mix32(torch.arange(vocab, dtype=torch.int64, device=logits.device) * 0x9E3779B1 & _M32)
+    def draw(self, probs: torch.Tensor, request_ids: Sequence[int], params: Sequence[SamplingParams],
+             stream: SamplingStream = "token") -> torch.Tensor:
+        """probs [N, V] (rows sum to 1) -> ids [N] int64, row i an exact draw from probs[i] keyed by
+        request i's seed, `stream` and its draw count in that stream (which advances by one)."""
+        vocab = probs.shape[1]
+        if self._vocab_hash is None or self._vocab_hash.numel() != vocab or self._vocab_hash.device != probs.device:
+            self._vocab_hash = mix32(torch.arange(vocab, dtype=torch.int64, device=probs.device) * 0x9E3779B1 & _M32)
         keys = []
         for rid, p in zip(request_ids, params):
-            k = self._draws.get(rid, 0)
-            self._draws[rid] = k + 1
-            keys.append(draw_key(self._seed(rid, p), k))
-        probs = torch.empty_like(logits, dtype=torch.float32)
-        groups: dict[tuple, list[int]] = {}
-        for i, p in enumerate(params):
-            groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(i)
-        for members in groups.values():
-            idx = members if len(members) < n else slice(None)
-            probs[idx] = processed_probs(logits[idx].float(), params[members[0]])
-        noise = race_noise(host_ints(keys, logits.device), self._vocab_hash)
+            k = self._draws.get((rid, stream), 0)
+            self._draws[(rid, stream)] = k + 1
+            keys.append(draw_key(self._seed(rid, p), k, stream))
+        noise = race_noise(host_ints(keys, probs.device), self._vocab_hash)
         return (probs / noise).argmax(-1)
 
     def sample_row(self, logits: torch.Tensor, request_id: int, params: SamplingParams) -> int:

@@ -26,7 +26,7 @@ from ..attention_backend.interface import AttentionMetadata
 from ..attention_backend.resolver import create_backend
 from ..pyexecutor.llm_request import LlmRequest, RequestState
 from ..pyexecutor.model_engine import build_metadata
-from ..pyexecutor.sampler import Sampler, processed_probs
+from ..pyexecutor.sampler import Sampler, host_ints, processed_probs, processed_rows
 from .accept_stats import AcceptStats
 from .spec_sampling import RejectionSamplerName, resolve_rejection_sampler, run_rejection_accept
 from .verification import greedy_accept, greedy_accept_ids
@@ -224,25 +224,29 @@ class DSparkWorker:
         anchors = torch.tensor([ids[i * s] for i in range(len(reqs))], device=self.device)
         n_slots = s if self.drafter.config.shift_label else s - 1
         k_max = min(self.max_draft_len, n_slots)
-        probs_rows: list[list[torch.Tensor]] = [[] for _ in reqs]
+        # Sampling requests draw every slot in one batched pass (their own "draft" noise stream).
+        sampled = [i for i, r in enumerate(reqs) if not r.sampling_params.greedy]
+        at = host_ints(sampled, self.device) if sampled else None
+        s_ids = [reqs[i].request_id for i in sampled]
+        s_params = [reqs[i].sampling_params for i in sampled]
+        slot_probs: list[torch.Tensor] = []        # per slot [len(sampled), V]
 
         def pick(logits: torch.Tensor) -> torch.Tensor:
             out = logits.argmax(-1)
-            for i, req in enumerate(reqs):
-                p = req.sampling_params
-                if not p.greedy:
-                    q = processed_probs(logits[i:i + 1], p)[0]
-                    probs_rows[i].append(q)
-                    gen = self.sampler.generator(req.request_id, p)
-                    out[i] = torch.multinomial(q, 1, generator=gen)[0]
+            if sampled:
+                q = processed_rows(logits[at], s_params)
+                slot_probs.append(q)
+                out[at] = self.sampler.draw(q, s_ids, s_params, stream="draft")
             return out
 
         draft_ids, _ = self.drafter.propose(hidden, anchors, k_max, pick)
         draft_ids = draft_ids.tolist()
+        q_all = torch.stack(slot_probs, 1) if slot_probs else None   # [len(sampled), k_max, V]
+        row_of = {i: j for j, i in enumerate(sampled)}
         for i, req in enumerate(reqs):
             k = min(k_max, self._draft_limit(req))
             req.draft_tokens = draft_ids[i][:k]
-            req.draft_probs = torch.stack(probs_rows[i][:k]) if probs_rows[i] else None
+            req.draft_probs = q_all[row_of[i], :k] if i in row_of else None
 
     def _draft_limit(self, req: LlmRequest) -> int:
         """Most drafts worth proposing: all of them for a greedy request (`accept` caps what is

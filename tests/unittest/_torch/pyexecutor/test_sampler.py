@@ -129,6 +129,26 @@ def test_race_noise_is_uniform_and_independent_across_draws_and_rows():
     assert _chi2_loose(same, torch.full((256,), 1 / 256)) > 10 * crit
 
 
+def test_draft_stream_is_separate_from_the_token_stream():
+    """Draft draws (DSpark proposals) neither shift a request's token draws nor repeat them, and
+    follow the given distribution (chi2, with a negative control)."""
+    p = SamplingParams(temperature=1.0, seed=21)
+    probs = torch.softmax(LOGITS, -1)
+    plain = Sampler(0, CPU)
+    tokens = [int(plain.draw(probs[None], [1], [p])[0]) for _ in range(40)]
+    mixed, drafts = Sampler(0, CPU), []
+    for _ in range(40):
+        drafts.append(int(mixed.draw(probs[None], [1], [p], stream="draft")[0]))
+        assert int(mixed.draw(probs[None], [1], [p])[0]) == tokens[len(drafts) - 1]
+    assert drafts != tokens
+    s = Sampler(0, CPU)
+    unseeded = [SamplingParams(temperature=1.0)] * 400                       # seeds from request ids
+    many = torch.cat([s.draw(probs.expand(400, -1), list(range(400)), unseeded, stream="draft")
+                      for _ in range(10)])                                    # 4000 draws
+    assert _chi2(many, probs)[0] < 24.32                                       # dof 7, p = 0.001
+    assert _chi2_loose(many, torch.full((8,), 1 / 8)) > 243
+
+
 # ---- end to end ---------------------------------------------------------------------------
 @pytest.fixture
 def llm(tiny_llama_dir, make_llm):
