@@ -64,10 +64,10 @@ def paired_t(x: Sequence[float], y: Sequence[float]) -> tuple[float, float, floa
 
 
 def run_arm(model: str, drafter: str, prompts: dict[str, list[dict]], temperature: float,
-            max_tokens: int, concurrency: int, device: Optional[str], extra: dict) -> dict[str, list[dict]]:
+            max_tokens: int, concurrency: int, device: Optional[str], extra: dict,
+            spec_options: Optional[dict] = None) -> dict[str, list[dict]]:
     from .. import LLM, SamplingParams
-    spec = {"decoding_type": "DSpark", "speculative_model": drafter, **extra.get("spec", {})}
-    extra = {k: v for k, v in extra.items() if k != "spec"}
+    spec = {"decoding_type": "DSpark", "speculative_model": drafter, **(spec_options or {})}
     results: dict[str, list[dict]] = {}
     with LLM(model, device=device, speculative_config=spec, max_batch_size=concurrency, **extra) as llm:
         for name, items in prompts.items():
@@ -179,14 +179,14 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     extra: dict = {"max_seq_len": a.max_seq_len, "attn_backend": a.attn_backend, "use_cuda_graph": a.cuda_graph}
     if a.kv_max_tokens:
         extra["kv_cache_config"] = {"max_tokens": a.kv_max_tokens}
-    extra["spec"] = {"rejection_sampler": a.rejection_sampler}
     report: dict = {"command": "python -m tensorrt_llm.bench.eval_acceptance", "args": vars(a),
                     "results": {}}
     for temp in a.temperature:
         arms = {}
         for name, path in drafters.items():
             t0 = time.perf_counter()
-            arms[name] = run_arm(a.model, path, prompts, temp, a.max_tokens, a.concurrency, a.device, extra)
+            arms[name] = run_arm(a.model, path, prompts, temp, a.max_tokens, a.concurrency, a.device, extra,
+                                 {"rejection_sampler": a.rejection_sampler})
             print(f"[T={temp}] {name}: {time.perf_counter() - t0:.1f} s", flush=True)
         rows = summarize(arms, pairs)
         print_table(rows, f"AL at T={temp} (max_tokens={a.max_tokens}, pooled AL, SE clustered on prompt)")

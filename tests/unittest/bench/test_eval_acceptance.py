@@ -102,3 +102,30 @@ def test_by_category_regroups_mtbench_and_pools_per_group():
     assert whole["mtbench"]["a_AL"] == pytest.approx(3.0) != rows["mtbench/math"]["a_AL"]
     with pytest.raises(ValueError, match="no per-prompt categories"):
         ea.by_category({"a": {"gsm8k": arms["a"]["gsm8k"]}})
+
+
+def test_model_run_on_a_prompts_file(tiny_llama_dir, tmp_path):
+    """A whole CPU run (tiny target, two random drafters, T=0 and T=0.7 through the torch
+    rejection sampler): per-prompt records keep their category, the report re-tabulates by it."""
+    from tensorrt_llm._torch.models.modeling_dspark import DSparkForCausalLMBase
+    from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
+    from tensorrt_llm._torch.models.checkpoint import read_config
+    tc = LlamaConfig.from_dict(read_config(tiny_llama_dir), "target")
+    arms = []
+    for kind in ("gqa", "mla"):
+        DSparkForCausalLMBase.random_init(kind, tc, seed=3, markov_rank=4).save_pretrained(tmp_path / kind)
+        arms += ["--drafter", f"{kind}={tmp_path / kind}"]
+    prompts = {"mtbench": [{"id": "mt1", "text": "hello world", "category": "writing"},
+                           {"id": "mt2", "text": "once upon a time", "category": "math"}],
+               "gsm8k": [{"id": "gsm0", "text": "paris is"}]}
+    (tmp_path / "p.json").write_text(json.dumps(prompts))
+    out = tmp_path / "r.json"
+    ea.main(["--model", str(tiny_llama_dir), *arms, "--prompts-file", str(tmp_path / "p.json"), "--device", "cpu",
+             "--temperature", "0", "0.7", "--max-tokens", "6", "--max-seq-len", "256", "--rejection-sampler", "torch", "--json", str(out)])
+    report = json.loads(out.read_text())
+    recs = report["results"]["0.7"]["per_prompt"]["mla"]["mtbench"]
+    assert [r.get("category") for r in recs] == ["writing", "math"]
+    assert all(r["tokens"] == 6 and r["steps"] >= 1 for r in recs)
+    assert report["args"]["rejection_sampler"] == "torch"
+    rows = ea.retabulate(out, [], categories=True)
+    assert [r["set"] for r in rows["0.0"]] == ["mtbench/math", "mtbench/writing"]
