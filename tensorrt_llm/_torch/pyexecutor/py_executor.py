@@ -18,7 +18,7 @@ import torch
 from .llm_request import LlmRequest, RequestState
 from .model_engine import ForwardOutput, ForwardSegment, ModelEngine
 from .resource_manager import KVCacheManager
-from .sampler import Sampler, host_ints
+from .sampler import Sampler
 from .scheduler import ScheduledBatch, Scheduler
 
 logger = logging.getLogger("tensorrt_llm")
@@ -153,14 +153,10 @@ class PyExecutor:
         spec, kv = self.spec, self.kv
         # One device->host sync for every token choice of the step: the argmax of every row, with
         # the rows of sampling requests (prompt ends, and plain decode steps) overwritten by draws.
-        ids = out.logits.argmax(-1) if out.logits.shape[0] else None
         rows = [(out.logits_offsets[i], req) for i, (req, seg) in enumerate(zip(reqs, segments))
                 if not req.sampling_params.greedy and (i < num_ctx and seg.num_logits or i >= num_ctx and spec is None)]
-        if rows:
-            at = host_ints([r for r, _ in rows], ids.device)
-            ids[at] = self.sampler.sample_rows(out.logits[at], [q.request_id for _, q in rows],
-                                               [q.sampling_params for _, q in rows])
-        greedy_ids = ids.tolist() if ids is not None else []   # sampled rows hold their draw
+        row_ids = self.sampler.choose(out.logits, [r for r, _ in rows], [q.request_id for _, q in rows],
+                                         [q.sampling_params for _, q in rows]).tolist() if out.logits.shape[0] else []
         committed: list[tuple[LlmRequest, int, int, int]] = []
         publish = spec is None and kv.pool.enable_reuse   # with a drafter, draft_step commits
         for i, (req, seg) in enumerate(zip(reqs, segments)):
@@ -171,17 +167,17 @@ class PyExecutor:
                     if spec is not None:
                         committed.append((req, out.token_offsets[i], seg.start, len(seg.token_ids)))
                     if seg.num_logits:
-                        tok = greedy_ids[lo]
+                        tok = row_ids[lo]
                         req.state = RequestState.GENERATION
                         if req.first_token_time is None:
                             req.first_token_time = time.perf_counter()
                         self._append(req, [tok])
                 elif spec is None:
                     req.num_computed += 1
-                    self._append(req, [greedy_ids[lo]])
+                    self._append(req, [row_ids[lo]])
                 else:
                     n = seg.num_logits
-                    new = spec.accept(req, out.logits[lo:lo + n], greedy_ids[lo:lo + n])
+                    new = spec.accept(req, out.logits[lo:lo + n], row_ids[lo:lo + n])
                     req.num_computed += len(new)
                     committed.append((req, out.token_offsets[i], seg.start, len(new)))
                     self._append(req, new)

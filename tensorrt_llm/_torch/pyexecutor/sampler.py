@@ -116,14 +116,15 @@ class Sampler:
         for stream in _STREAM_SALT:
             self._draws.pop((request_id, stream), None)
 
-    def sample(self, logits: torch.Tensor, request_ids: Sequence[int],
-               params: Sequence[SamplingParams]) -> list[int]:
-        """logits [N, V] float32, one row per request -> N token ids (one device sync)."""
+    def choose(self, logits: torch.Tensor, rows: Sequence[int], request_ids: Sequence[int],
+               params: Sequence[SamplingParams]) -> torch.Tensor:
+        """logits [N, V] -> ids [N] on logits' device: the argmax of every row, with rows[i] (of a
+        sampling request request_ids[i], params[i]) overwritten by its draw. No sync."""
         ids = logits.argmax(-1)
-        rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
-            ids[rows] = self.sample_rows(logits[rows], [request_ids[i] for i in rows], [params[i] for i in rows])
-        return ids.tolist()
+            at = host_ints(rows, logits.device)
+            ids[at] = self.sample_rows(logits[at], request_ids, params)
+        return ids
 
     def sample_rows(self, logits: torch.Tensor, request_ids: Sequence[int],
                     params: Sequence[SamplingParams]) -> torch.Tensor:

@@ -91,8 +91,13 @@ def test_interleaved_requests_do_not_share_rng():
 def test_batch_sample_mixes_greedy_and_random_rows():
     s = Sampler(0, CPU)
     logits = torch.stack([LOGITS, LOGITS.flip(0)])
-    out = s.sample(logits, [0, 1], [SamplingParams(), SamplingParams(temperature=1.0, top_k=1)])
-    assert out == [0, 7]
+    out = s.choose(logits, [1], [1], [SamplingParams(temperature=1.0, top_k=1)])
+    assert out.tolist() == [0, 7]
+    hot = torch.stack([LOGITS, torch.tensor([0.0] * 7 + [50.0])])
+    assert s.choose(hot, [], [], []).tolist() == [0, 7]            # no sampled rows: plain argmax
+    flat = torch.zeros(2, 8)
+    draws = {tuple(s.choose(flat, [0, 1], [5, 6], [SamplingParams(temperature=1.0)] * 2).tolist()) for _ in range(20)}
+    assert len(draws) > 5                                           # rows really sampled (control: argmax is (0, 0))
 
 
 def test_batched_rows_equal_each_request_alone():
