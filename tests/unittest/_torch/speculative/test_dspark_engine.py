@@ -237,3 +237,40 @@ def test_rejection_sampler_config(tiny_llama_dir, drafters):
     with pytest.raises(ValueError, match="rejection_sampler"):
         LLM(str(tiny_llama_dir), device="cpu", kv_cache_config={"max_tokens": 512},
             speculative_config=_spec(drafters["gqa"], rejection_sampler="cuda"))
+
+
+def _two_sample_chi2(a: list, b: list) -> tuple[float, int]:
+    """Two-sample chi2 of equal-size samples over their cells -> (statistic, dof)."""
+    from collections import Counter
+    ca, cb = Counter(a), Counter(b)
+    cells = set(ca) | set(cb)
+    return sum((ca[c] - cb[c]) ** 2 / (ca[c] + cb[c]) for c in cells), len(cells) - 1
+
+
+def _first_two_tokens(target, drafter, n: int, seed0: int):
+    spec = {"speculative_config": _spec(drafter)} if drafter else {}
+    params = [SamplingParams(max_tokens=2, temperature=1.0, top_k=3, seed=seed0 + i, ignore_eos=True)
+              for i in range(n)]
+    toks, stats = _run(target, [PROMPTS[0]] * n, params, max_batch_size=64, **spec)
+    return [tuple(t) for t in toks], stats
+
+
+def test_sampled_spec_output_has_the_no_spec_distribution(tiny_llama_dir, drafters, monkeypatch):
+    """End to end at T > 0: the (first, second) token pairs of DSpark (batched drafting, rejection
+    verification) and of plain sampling are samples of one distribution (two-sample chi2); a
+    verifier that accepts every draft, the control, is far from it."""
+    import tensorrt_llm._torch.speculative.dspark_worker as worker_mod
+    n = 1200
+    plain, _ = _first_two_tokens(tiny_llama_dir, None, n, seed0=0)
+    spec, stats = _first_two_tokens(tiny_llama_dir, drafters["gqa"], n, seed0=n)   # independent samples
+    assert stats["speculative"]["request_steps"] >= n                  # the second token went through verify
+    chi2, dof = _two_sample_chi2(plain, spec)
+    crit = dof + 3.1 * (2 * dof) ** 0.5 + 5       # above the p = 0.001 point (26.1 at dof 8; seen: 8.5)
+    assert chi2 < crit, (chi2, dof)
+
+    def accept_all(sampler, draft_ids, draft_probs, target_probs, generator):
+        return list(draft_ids) + [int(torch.multinomial(target_probs[len(draft_ids)], 1, generator=generator))]
+    monkeypatch.setattr(worker_mod, "run_rejection_accept", accept_all)
+    biased, _ = _first_two_tokens(tiny_llama_dir, drafters["gqa"], n, seed0=n)
+    chi2_bad, dof_bad = _two_sample_chi2(plain, biased)
+    assert chi2_bad > 3 * crit, (chi2_bad, dof_bad)
