@@ -210,7 +210,8 @@ def block_loss(drafter, hidden: torch.Tensor, labels: torch.Tensor, prev_ids: to
     if not bool(valid.any()):
         raise ValueError("batch has no valid label (all anchors at the sequence end?)")
     logits = block_logits(drafter, hidden[valid], prev_ids[valid])
-    ce = F.cross_entropy(logits, labels[valid], reduction="none")
+    logp = F.log_softmax(logits, dim=-1)                 # shared by CE and KL (one vocab-wide pass)
+    ce = F.nll_loss(logp, labels[valid], reduction="none")
     per_slot, stats = ce, {}
     if kd_weight > 0:
         got = None if teacher_hidden is None else tuple(teacher_hidden.shape)
@@ -219,7 +220,7 @@ def block_loss(drafter, hidden: torch.Tensor, labels: torch.Tensor, prev_ids: to
                              f"{tuple(labels.shape)}, got {got}")
         with torch.no_grad():
             t_logp = F.log_softmax(drafter.draft_logits(teacher_hidden[valid]), dim=-1)
-        kl = (t_logp.exp() * (t_logp - F.log_softmax(logits, dim=-1))).sum(-1)
+        kl = (t_logp.exp() * (t_logp - logp)).sum(-1)
         per_slot = (1 - kd_weight) * ce + kd_weight * kl
         stats["kl"] = kl.detach().mean()
     wv = w.expand_as(labels)[valid]
