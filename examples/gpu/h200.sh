@@ -23,6 +23,8 @@
 #   eval    : waits for training; AL tables (T=0 all sets, T=0.7 first 40) on GPU 0 while the HF
 #             transformers arm runs on GPU 1; returns the MLA drafter. AL_REJ=torch verifies T=0.7
 #             without flashinfer's sampling kernel (its first-use JIT took > 170 s on one H200)
+#   compare : waits for training; paired AL of the `drafter` stage's drafters (arms gqa0/mla0) and the
+#             new ones (gqa/mla): T=0 on GPU 0, T=0.7 (first 40, torch rejection) on GPU 1; tables
 #   fetch   : B=gqa|mla: returns that trained drafter (tar parts)
 #   bench   : throughput table (no-spec FLASHINFER+graphs, DSpark MLA / GQA, VANILLA); extras;
 #             EXTRA_YAML="key: value\n..." is appended to the three FLASHINFER arms' args; returns the
@@ -116,6 +118,29 @@ eval)
   stamp "hf"
   return_drafter mla
   stamp "eval done" ;;
+compare)  # waits for training; AL of the `drafter` stage's drafters (gqa0/mla0) against the new ones
+  # (gqa/mla), paired: T=0 on GPU 0 while T=0.7 (first 40, torch rejection sampler) runs on GPU 1
+  for i in $(seq 1 ${WAIT_S:-600}); do [[ -f $RUNS/DONE ]] && break; sleep 1; done
+  progress; grep -v "^\[" /tmp/train_all.log | tail -8 | tee $OUT/train_summary.log
+  for b in gqa mla; do cp $RUNS/$b/training_log.json $OUT/${b}_training_log.json; done
+  cat $RUNS/data/regen.shard*.meta.json > $OUT/regen_meta.json 2>/dev/null
+  P=/tmp/persist/drafters/smollm2-135m-dspark-
+  AL="python3 -m tensorrt_llm.bench.eval_acceptance --model $M --drafter gqa0=${BASE_GQA:-${P}gqa} --drafter mla0=${BASE_MLA:-${P}mla}
+    --drafter gqa=$RUNS/gqa/drafter --drafter mla=$RUNS/mla/drafter --prompts-file /tmp/persist/eval_prompts.json
+    --concurrency 64 --cuda-graph --attn-backend FLASHINFER --kv-max-tokens 262144 --rejection-sampler torch"
+  CUDA_VISIBLE_DEVICES=1 timeout ${AL7_S:-300} $AL --temperature 0.7 --limit 40 --max-tokens 128 --json $OUT/eval_al_t07.json > /tmp/al7.log 2>&1 &
+  A7=$!
+  CUDA_VISIBLE_DEVICES=0 timeout ${AL_S:-300} $AL --temperature 0 --max-tokens 256 --json $OUT/eval_al_t0.json 2>&1 | grep -v "^\[" | tail -3
+  stamp "AL T=0 done"
+  wait $A7; grep -v "^\[" /tmp/al7.log | tail -3
+  stamp "AL T=0.7 done"
+  for t in t0 t07; do
+    [[ -f $OUT/eval_al_$t.json ]] && python3 -m tensorrt_llm.bench.eval_acceptance --report $OUT/eval_al_$t.json \
+      --pair mla-gqa --pair gqa-gqa0 --pair mla-mla0 2>&1 | grep -v "^\[" | tee $OUT/eval_al_$t.md
+  done
+  [[ -f $OUT/eval_al_t0.json ]] && python3 -m tensorrt_llm.bench.eval_acceptance --report $OUT/eval_al_t0.json \
+    --by-category --pair mla-gqa --pair gqa-gqa0 2>&1 | grep -v "^\[" > $OUT/eval_al_t0_by_category.md
+  stamp "compare done" ;;
 fetch)  # B=gqa|mla: the trained drafter folder as tar parts in $OUT
   return_drafter ${B:?B=gqa or mla} ;;
 *) echo "unknown stage $STAGE"; exit 2 ;;
