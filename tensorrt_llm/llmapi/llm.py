@@ -97,10 +97,11 @@ class LLM:
             raise ValueError(f"request needs {need} tokens of KV but the pool holds "
                              f"{self._bundle.kv.max_tokens}")
 
-    def generate_async(self, prompt: PromptInput, sampling_params: Optional[SamplingParams] = None,
-                       streaming: bool = False, context_only: bool = False) -> GenerationResult:
+    def _make_request(self, prompt: PromptInput, params: Optional[SamplingParams], streaming: bool,
+                      context_only: bool):
+        """Tokenize and validate one prompt -> (LlmRequest, its GenerationResult); enqueues nothing."""
         from .._torch.pyexecutor.llm_request import LlmRequest
-        params = sampling_params or SamplingParams()
+        params = params or SamplingParams()
         text, ids = self._to_ids(prompt)
         self._validate(ids, params)
         rid = next(self._ids)
@@ -109,13 +110,21 @@ class LLM:
         req = LlmRequest(rid, ids, params, end_ids=frozenset(end_ids), context_only=context_only)
         handle = GenerationResult(rid, text, ids, self.tokenizer.decode, params.stop_strings,
                                   params.include_stop_str_in_output, streaming)
+        return req, handle
+
+    def generate_async(self, prompt: PromptInput, sampling_params: Optional[SamplingParams] = None,
+                       streaming: bool = False, context_only: bool = False) -> GenerationResult:
+        req, handle = self._make_request(prompt, sampling_params, streaming, context_only)
         self._executor.enqueue_request(req, handle._update)
         return handle
 
     def generate(self, prompts: Union[PromptInput, Sequence[PromptInput]],
                  sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
                  ) -> Union[RequestOutput, list[RequestOutput]]:
-        """Blocking generation. A single prompt returns one RequestOutput, a list returns a list."""
+        """Blocking generation. A single prompt returns one RequestOutput, a list returns a list.
+        Every prompt is validated before any is submitted (a bad one raises and nothing runs), then
+        all are submitted as one group, so the step batches, and with them the numerics, repeat
+        from run to run."""
         single = isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
                                               and isinstance(prompts[0], int))
         plist = [prompts] if single else list(prompts)
@@ -125,8 +134,14 @@ class LLM:
             params = list(sampling_params)
         else:
             params = [sampling_params] * len(plist)
-        handles = [self.generate_async(p, sp) for p, sp in zip(plist, params)]
-        outs = [h.result() for h in handles]
+        made = []
+        for i, (p, sp) in enumerate(zip(plist, params)):
+            try:
+                made.append(self._make_request(p, sp, False, False))
+            except ValueError as e:
+                raise ValueError(str(e) if single else f"prompt {i}: {e}") from e
+        self._executor.enqueue_requests([(req, handle._update) for req, handle in made])
+        outs = [handle.result() for _, handle in made]
         return outs[0] if single else outs
 
     def shutdown(self) -> None:

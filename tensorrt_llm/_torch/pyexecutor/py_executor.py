@@ -32,7 +32,8 @@ class PyExecutor:
         self.engine, self.scheduler, self.sampler, self.kv = engine, scheduler, sampler, kv
         self.decode = decode
         self.spec = spec_worker
-        self._incoming: "queue.Queue[tuple[LlmRequest, UpdateCallback]]" = queue.Queue()
+        # each item is one group of requests that reaches the scheduler in one drain
+        self._incoming: "queue.Queue[list[tuple[LlmRequest, UpdateCallback]]]" = queue.Queue()
         self._callbacks: dict[int, UpdateCallback] = {}
         self._final_notices: Optional[list[tuple[LlmRequest, list[int]]]] = None   # inside a step
         self._thread: Optional[threading.Thread] = None
@@ -43,19 +44,26 @@ class PyExecutor:
 
     # ---- submission --------------------------------------------------------------------
     def enqueue_request(self, req: LlmRequest, on_update: UpdateCallback) -> None:
+        self.enqueue_requests([(req, on_update)])
+
+    def enqueue_requests(self, items: Sequence[tuple[LlmRequest, UpdateCallback]]) -> None:
+        """Submit requests as one group: the loop admits all of them before its next step, so the
+        batches of one `LLM.generate` call do not depend on how fast the caller submitted them."""
         if self.fatal_error is not None:
             raise RuntimeError(f"executor stopped after a fatal error: {self.fatal_error}")
-        self._incoming.put((req, on_update))
-        self._wake.set()
+        if items:
+            self._incoming.put(list(items))
+            self._wake.set()
 
     def _drain_incoming(self) -> None:
         while True:
             try:
-                req, cb = self._incoming.get_nowait()
+                group = self._incoming.get_nowait()
             except queue.Empty:
                 return
-            self._callbacks[req.request_id] = cb
-            self.scheduler.add(req)
+            for req, cb in group:
+                self._callbacks[req.request_id] = cb
+                self.scheduler.add(req)
 
     # ---- loop --------------------------------------------------------------------------
     def start(self) -> None:

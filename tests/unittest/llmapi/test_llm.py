@@ -67,6 +67,34 @@ def test_single_prompt_returns_one_output_and_list_returns_list(tiny_llama_dir, 
         llm.generate(["a", "b"], [SamplingParams()])
 
 
+def test_generate_admits_a_list_as_one_group_and_a_bad_prompt_submits_nothing(tiny_llama_dir, make_llm):
+    """All prompts of one generate() call reach the scheduler before the same step (so its batches
+    do not depend on how fast they were tokenized); a bad prompt in the list raises naming its
+    index, and none of the list runs."""
+    llm = make_llm(tiny_llama_dir)
+    ex = llm._executor
+    admitted: list[tuple[int, int]] = []           # (request id, executor iteration at admission)
+    add = ex.scheduler.add
+    ex.scheduler.add = lambda req: (admitted.append((req.request_id, ex.iterations)), add(req))[1]
+    prompts = ["the quick brown fox", "once upon a time", "paris is", "hello world", "a b c d e f"]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [6] * 5
+    assert len(admitted) == 5 and len({it for _, it in admitted}) == 1
+    # control: a request submitted after the first finished is admitted at a later iteration
+    first = llm.generate_async("hello", SamplingParams(max_tokens=3))
+    first.result()
+    llm.generate_async("world", SamplingParams(max_tokens=3)).result()
+    assert admitted[-1][1] > admitted[-2][1]
+    # a bad prompt at index 2: clear error, nothing of the list is admitted, the engine keeps serving
+    admitted.clear()
+    vocab = llm._bundle.model.config.vocab_size
+    with pytest.raises(ValueError, match=r"prompt 2: prompt token ids out of range"):
+        llm.generate(["the quick brown fox", "paris is", [1, vocab + 5]], SamplingParams(max_tokens=4))
+    good = llm.generate("the quick brown fox", SamplingParams(max_tokens=4))
+    assert len(good.outputs[0].token_ids) == 4
+    assert len(admitted) == 1                         # only the good request; the list's never ran
+
+
 # ---- bad input: each rejected with a clear error, and the engine keeps serving ------------
 def test_bad_requests_are_rejected_and_engine_keeps_serving(tiny_llama_dir, make_llm):
     llm = make_llm(tiny_llama_dir, max_seq_len=64, kv_cache_config={"max_tokens": 256, "tokens_per_block": 16})
