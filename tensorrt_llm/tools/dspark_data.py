@@ -113,7 +113,10 @@ def _data_meta(cfg: DSparkTrainConfig) -> dict[str, Any]:
             "max_prompt_tokens": d.max_prompt_tokens,
             "max_new_tokens": d.max_new_tokens, "temperature": d.temperature,
             "answers_per_prompt": d.answers_per_prompt,
-            "seed": cfg.train.seed if d.temperature > 0 else None, "num_shards": d.num_shards}
+            "seed": cfg.train.seed if d.temperature > 0 else None,
+            # "prompt": seeds by prompt index (before 2026-11-30 they went by index within the shard,
+            # so requests of different shards shared noise streams; such caches are not resumed)
+            "seeds_by": "prompt" if d.temperature > 0 else None, "num_shards": d.num_shards}
 
 
 def shard_file(cfg: DSparkTrainConfig, shard: int) -> Path:
@@ -158,9 +161,10 @@ def regenerate(cfg: DSparkTrainConfig, shard: int = 0) -> list[dict]:
     from ..llmapi.tokenizer import TokenizerWrapper
     d = cfg.data
     distinct = select_prompts(d, TokenizerWrapper(cfg.target))
-    # (prompt, answer index) pairs: every prompt's answer 0, then every prompt's answer 1, ...
-    items = [(ids, k) for k in range(d.answers_per_prompt) for ids in distinct][shard::d.num_shards]
-    prompts = [ids for ids, _ in items]
+    # (prompt, answer index, prompt index) items: every prompt's answer 0, then every answer 1, ...
+    items = [(ids, k, p) for k in range(d.answers_per_prompt)
+             for p, ids in enumerate(distinct)][shard::d.num_shards]
+    prompts = [ids for ids, _, _ in items]
     t0 = time.perf_counter()
     max_seq = d.max_prompt_tokens + d.max_new_tokens
     llm = LLM(cfg.target, device=cfg.train.device, attn_backend=d.attn_backend, max_batch_size=d.gen_batch,
@@ -179,9 +183,10 @@ def regenerate(cfg: DSparkTrainConfig, shard: int = 0) -> list[dict]:
                     break
                 t_chunk = time.perf_counter()
                 part = prompts[lo:lo + chunk]
-                # answer k of a prompt draws from its own seed (k = 0: the seeds of one answer per prompt)
+                # answer k of prompt p draws from seed train.seed + p + k * 1,000,003: its own
+                # stream whatever the sharding (k = 0: the seeds of one answer per prompt)
                 params = [SamplingParams(max_tokens=d.max_new_tokens, temperature=d.temperature,
-                                         seed=cfg.train.seed + lo + i + items[lo + i][1] * 1_000_003)
+                                         seed=cfg.train.seed + items[lo + i][2] + items[lo + i][1] * 1_000_003)
                           for i in range(len(part))]
                 for p, out in zip(part, llm.generate(part, params)):
                     if out.outputs[0].finish_reason == "error":

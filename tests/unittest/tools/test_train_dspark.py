@@ -18,6 +18,7 @@ from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
 from tensorrt_llm.tools.dspark_train_forward import (IGNORE_INDEX, block_inputs, block_labels, block_logits,
                                                      build_block_mask, expected_accept_length, train_forward)
 from tensorrt_llm.tools.train_dspark import DSparkTrainConfig, _split, load_data, main, regenerate, train
+from tensorrt_llm.tools.dspark_data import shard_file
 
 VOCAB, SPECIALS = 512, ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<mask>"]
 MASK_ID = 3
@@ -371,6 +372,16 @@ def test_sampled_regeneration_is_seeded(tiny_target, tmp_path):
     assert a == again
     assert sum(x["output_ids"] != y["output_ids"] for x, y in zip(a, greedy)) >= 6
     assert sum(x["output_ids"] != y["output_ids"] for x, y in zip(a, other)) >= 6
+    # sharded: each answer's seed follows its prompt, not its place in a shard, so three shards give
+    # the unsharded answers (with per-shard seeds, shard 1's first prompt drew shard 0's first stream)
+    cfg = tiny_config(tiny_target, tmp_path / "sh" / "x", "gqa", seed=0)
+    cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"temperature": 0.7, "num_shards": 3})})
+    for shard in range(3):
+        regenerate(cfg, shard)
+    by_prompt = {tuple(r["prompt_ids"]): r["output_ids"] for r in a}
+    rows = load_data(cfg)
+    assert len(rows) == len(a) and all(by_prompt[tuple(r["prompt_ids"])] == r["output_ids"] for r in rows)
+    assert json.loads(shard_file(cfg, 1).with_suffix(".meta.json").read_text())["seeds_by"] == "prompt"
 
 
 def test_answers_per_prompt(tiny_target, tmp_path):
