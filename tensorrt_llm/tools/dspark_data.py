@@ -104,6 +104,12 @@ def select_prompts(data: DataConfig, tokenizer) -> list[list[int]]:
     return out
 
 
+def answer_seed(train_seed: int, prompt_index: int, answer_index: int) -> int:
+    """Sampling seed of answer `answer_index` to prompt `prompt_index` (distinct for every
+    (train seed, prompt, answer) with fewer than 1,000,003 prompts and 999 answers each)."""
+    return train_seed * 1_000_000_007 + prompt_index + answer_index * 1_000_003
+
+
 def _data_meta(cfg: DSparkTrainConfig) -> dict[str, Any]:
     d = cfg.data
     return {"target": str(Path(cfg.target).resolve()),
@@ -183,10 +189,10 @@ def regenerate(cfg: DSparkTrainConfig, shard: int = 0) -> list[dict]:
                     break
                 t_chunk = time.perf_counter()
                 part = prompts[lo:lo + chunk]
-                # answer k of prompt p draws from seed train.seed + p + k * 1,000,003: its own
-                # stream whatever the sharding (k = 0: the seeds of one answer per prompt)
+                # answer k of prompt p draws from its own stream whatever the sharding (k = 0: the
+                # seeds of one answer per prompt); another train.seed shares no stream with this one
                 params = [SamplingParams(max_tokens=d.max_new_tokens, temperature=d.temperature,
-                                         seed=cfg.train.seed + items[lo + i][2] + items[lo + i][1] * 1_000_003)
+                                         seed=answer_seed(cfg.train.seed, items[lo + i][2], items[lo + i][1]))
                           for i in range(len(part))]
                 for p, out in zip(part, llm.generate(part, params)):
                     if out.outputs[0].finish_reason == "error":

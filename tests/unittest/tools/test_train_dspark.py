@@ -18,7 +18,7 @@ from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
 from tensorrt_llm.tools.dspark_train_forward import (IGNORE_INDEX, block_inputs, block_labels, block_logits,
                                                      build_block_mask, expected_accept_length, train_forward)
 from tensorrt_llm.tools.train_dspark import DSparkTrainConfig, _split, load_data, main, regenerate, train
-from tensorrt_llm.tools.dspark_data import shard_file
+from tensorrt_llm.tools.dspark_data import answer_seed, shard_file
 
 VOCAB, SPECIALS = 512, ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<mask>"]
 MASK_ID = 3
@@ -382,6 +382,9 @@ def test_sampled_regeneration_is_seeded(tiny_target, tmp_path):
     rows = load_data(cfg)
     assert len(rows) == len(a) and all(by_prompt[tuple(r["prompt_ids"])] == r["output_ids"] for r in rows)
     assert json.loads(shard_file(cfg, 1).with_suffix(".meta.json").read_text())["seeds_by"] == "prompt"
+    seeds = [answer_seed(s, p, k) for s in range(3) for p in range(2000) for k in range(3)]
+    assert len(set(seeds)) == len(seeds)
+    assert answer_seed(0, 5, 0) == 5 and answer_seed(1, 5, 1) != answer_seed(0, 6, 1)  # seeds don't shift into each other
 
 
 def test_answers_per_prompt(tiny_target, tmp_path):
