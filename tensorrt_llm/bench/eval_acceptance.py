@@ -146,7 +146,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     ap.add_argument("--kv-max-tokens", type=int, default=None)
     ap.add_argument("--cuda-graph", action="store_true", help="use_cuda_graph=True (FLASHINFER on CUDA)")
     ap.add_argument("--attn-backend", default="AUTO")
-    ap.add_argument("--rejection-sampler", default="auto", choices=["auto", "torch", "flashinfer"],
+    ap.add_argument("--rejection-sampler", default="auto", choices=["auto", "torch", "flashinfer", "batched"],
                     help="speculative_config.rejection_sampler for T>0 (torch skips flashinfer's JIT)")
     ap.add_argument("--prompts-file", help="read prompts exported by --export-prompts (offline)")
     ap.add_argument("--export-prompts", help="write the eval prompts to this JSON file and exit")

@@ -68,11 +68,13 @@ class DSparkDecodingConfig(StrictBaseModel):
         default="AUTO", description="Attention backend for the drafter.")
     use_rejection_sampling: bool = Field(
         default=True, description="At temperature > 0 verify with lossless rejection sampling.")
-    rejection_sampler: Literal["auto", "torch", "flashinfer"] = Field(
+    rejection_sampler: Literal["auto", "torch", "flashinfer", "batched"] = Field(
         default="auto", description="Implementation of T>0 rejection sampling: 'flashinfer' (one "
-        "fused kernel; CUDA; JIT-compiled on first use), 'torch' (a host loop per request, any "
-        "device), 'auto' flashinfer on CUDA when it imports, else torch. Same distribution, not "
-        "the same samples for a seed.")
+        "fused kernel per request; CUDA; JIT-compiled on first use), 'torch' (a host loop per "
+        "request, any device), 'batched' (every sampling request of a step in one pass of torch "
+        "ops, one sync; any device; a request's samples depend only on its seed), 'auto' "
+        "flashinfer on CUDA when it imports, else torch. Same distribution, not the same samples "
+        "for a seed.")
     mask_token_id: Optional[int] = Field(
         default=None, ge=0, description="Override of dspark_config.mask_token_id.")
     target_layer_ids: Optional[list[int]] = Field(

@@ -165,6 +165,17 @@ class PyExecutor:
                 if not req.sampling_params.greedy and (i < num_ctx and seg.num_logits or i >= num_ctx and spec is None)]
         row_ids = self.sampler.choose(out.logits, [r for r, _ in rows], [q.request_id for _, q in rows],
                                          [q.sampling_params for _, q in rows]).tolist() if out.logits.shape[0] else []
+        verified: dict[int, list[int]] = {}
+        if spec is not None and len(reqs) > num_ctx:
+            # the "batched" rejection sampler verifies every sampling request of the step at once;
+            # if that fails, each request is verified alone below (so only a bad one fails)
+            try:
+                verified = spec.verify_batch([
+                    (req, out.logits[out.logits_offsets[i]:out.logits_offsets[i] + seg.num_logits])
+                    for i, (req, seg) in enumerate(zip(reqs, segments)) if i >= num_ctx])
+            except Exception as e:
+                logger.warning("batched verification failed (%s: %s); verifying one request at a time",
+                               type(e).__name__, e)
         committed: list[tuple[LlmRequest, int, int, int]] = []
         publish = spec is None and kv.pool.enable_reuse   # with a drafter, draft_step commits
         for i, (req, seg) in enumerate(zip(reqs, segments)):
@@ -185,7 +196,8 @@ class PyExecutor:
                     self._append(req, [row_ids[lo]])
                 else:
                     n = seg.num_logits
-                    new = spec.accept(req, out.logits[lo:lo + n], row_ids[lo:lo + n])
+                    new = spec.accept(req, out.logits[lo:lo + n], row_ids[lo:lo + n],
+                                      verified.get(req.request_id))
                     req.num_computed += len(new)
                     committed.append((req, out.token_offsets[i], seg.start, len(new)))
                     self._append(req, new)

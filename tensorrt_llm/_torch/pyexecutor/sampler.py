@@ -5,8 +5,9 @@ the exponential race (token = argmax p / E, E ~ Exp(1)), whose noise is a counte
 (request seed, draw index, vocab id). A request's tokens therefore depend only on its own seed and
 how many tokens it has drawn, never on which other requests share the step, and the step needs no
 device sync per request. DSpark drafting draws its proposals the same way from a separate
-"draft" stream of the same seed; speculative verification keeps a torch.Generator per request
-(`Sampler.generator`) for its rejection-sampling draws.
+"draft" stream of the same seed; the "batched" rejection sampler takes its noise from a "verify"
+stream, while the "torch" and "flashinfer" ones keep a torch.Generator per request
+(`Sampler.generator`).
 """
 from __future__ import annotations
 
@@ -50,13 +51,14 @@ def mix32(x):
     return (x >> 16) ^ x
 
 
-SamplingStream = Literal["token", "draft"]
-_STREAM_SALT = {"token": 0, "draft": 0x27D4EB2F}
+SamplingStream = Literal["token", "draft", "verify"]
+_STREAM_SALT = {"token": 0, "draft": 0x27D4EB2F, "verify": 0x165667B1}
 
 
 def draw_key(seed: int, draw: int, stream: SamplingStream = "token") -> int:
     """The noise key of a request's `draw`-th draw in `stream` (a bijection of draw for a fixed
-    seed and stream); "token" draws commit tokens, "draft" draws propose speculative drafts."""
+    seed and stream); "token" draws commit tokens, "draft" draws propose speculative drafts,
+    "verify" draws decide speculative acceptance (the "batched" rejection sampler)."""
     base = mix32(mix32(seed & _M32) ^ mix32((seed >> 32) & _M32 ^ 0x632BE5AB))
     if _STREAM_SALT[stream]:
         base = mix32(base ^ _STREAM_SALT[stream])
@@ -136,16 +138,25 @@ class Sampler:
              stream: SamplingStream = "token") -> torch.Tensor:
         """probs [N, V] (rows sum to 1) -> ids [N] int64, row i an exact draw from probs[i] keyed by
         request i's seed, `stream` and its draw count in that stream (which advances by one)."""
-        vocab = probs.shape[1]
-        if self._vocab_hash is None or self._vocab_hash.numel() != vocab or self._vocab_hash.device != probs.device:
-            self._vocab_hash = mix32(torch.arange(vocab, dtype=torch.int64, device=probs.device) * 0x9E3779B1 & _M32)
+        keys = self.stream_keys(request_ids, params, stream, probs.device)
+        noise = race_noise(keys, self.vocab_hash(probs.shape[1], probs.device))
+        return (probs / noise).argmax(-1)
+
+    def stream_keys(self, request_ids: Sequence[int], params: Sequence[SamplingParams], stream: SamplingStream,
+                    device: torch.device) -> torch.Tensor:
+        """[N] int64 noise keys on `device`: request i's next draw in `stream` (its counter advances)."""
         keys = []
         for rid, p in zip(request_ids, params):
             k = self._draws.get((rid, stream), 0)
             self._draws[(rid, stream)] = k + 1
             keys.append(draw_key(self._seed(rid, p), k, stream))
-        noise = race_noise(host_ints(keys, probs.device), self._vocab_hash)
-        return (probs / noise).argmax(-1)
+        return host_ints(keys, device)
+
+    def vocab_hash(self, vocab: int, device: torch.device) -> torch.Tensor:
+        """[vocab] int64 per-token hashes that race noise mixes with a draw's key (cached)."""
+        if self._vocab_hash is None or self._vocab_hash.numel() != vocab or self._vocab_hash.device != device:
+            self._vocab_hash = mix32(torch.arange(vocab, dtype=torch.int64, device=device) * 0x9E3779B1 & _M32)
+        return self._vocab_hash
 
     def sample_row(self, logits: torch.Tensor, request_id: int, params: SamplingParams) -> int:
         """logits [V] -> one sampled id (the batched path on one row; syncs)."""

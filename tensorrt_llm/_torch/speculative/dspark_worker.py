@@ -28,6 +28,7 @@ from ..pyexecutor.llm_request import LlmRequest, RequestState
 from ..pyexecutor.model_engine import build_metadata
 from ..pyexecutor.sampler import Sampler, host_ints, processed_probs, processed_rows
 from .accept_stats import AcceptStats
+from .race_rejection import race_rejection_accept
 from .spec_sampling import RejectionSamplerName, resolve_rejection_sampler, run_rejection_accept
 from .verification import greedy_accept, greedy_accept_ids
 
@@ -38,7 +39,7 @@ class DSparkWorker:
     def __init__(self, cfg: DSparkDecodingConfig, drafter: torch.nn.Module, backend, resolution,
                  device: torch.device, dtype: torch.dtype, identity: str, *,
                  rejection_sampler: Optional[RejectionSamplerName] = None):
-        """rejection_sampler: "torch" / "flashinfer" for T>0 verification; None picks flashinfer
+        """rejection_sampler: "torch" / "flashinfer" / "batched" for T>0 verification; None picks flashinfer
         on CUDA when it imports, else torch (see `spec_sampling.resolve_rejection_sampler`)."""
         dc = drafter.config
         if cfg.max_draft_len is not None and cfg.max_draft_len > dc.num_drafts:
@@ -87,16 +88,57 @@ class DSparkWorker:
                 "attention_backend": {"name": self.resolution.name, "reason": self.resolution.reason}}
 
     # ---- verification ------------------------------------------------------------------
-    def accept(self, req: LlmRequest, rows: torch.Tensor, greedy_ids: Optional[list[int]] = None) -> list[int]:
+    def _batched_verify(self, req: LlmRequest) -> bool:
+        return (self.rejection.name == "batched" and not req.sampling_params.greedy
+                and self.cfg.use_rejection_sampling and req.draft_probs is not None)
+
+    def verify_batch(self, items: Sequence[tuple[LlmRequest, torch.Tensor]]) -> dict[int, list[int]]:
+        """The "batched" rejection sampler over a step: items (request, rows [K_b+1, V] target
+        logits) -> {request id: committed tokens, before accept()'s max_tokens cap} for the
+        sampling requests among them (empty with another sampler). One device-to-host copy."""
+        items = [(r, x) for r, x in items if self._batched_verify(r)]
+        if not items:
+            return {}
+        reqs = [r for r, _ in items]
+        params = [r.sampling_params for r in reqs]
+        counts = [len(r.draft_tokens) for r in reqs]
+        k, dev = max(counts), items[0][1].device
+        tp_flat = processed_rows(torch.cat([x for _, x in items]),
+                                 [p for p, n in zip(params, counts) for _ in range(n + 1)])
+        v = tp_flat.shape[-1]
+        tp = tp_flat.new_zeros(len(reqs), k + 1, v)
+        qp = tp_flat.new_zeros(len(reqs), k, v)
+        ids = torch.zeros(len(reqs), k, dtype=torch.int64)
+        at = 0
+        for b, (req, n) in enumerate(zip(reqs, counts)):
+            tp[b, :n + 1] = tp_flat[at:at + n + 1]
+            at += n + 1
+            if n:
+                qp[b, :n] = req.draft_probs[:n]
+                ids[b, :n] = torch.tensor(req.draft_tokens)
+        rids = [r.request_id for r in reqs]
+        accept_keys = self.sampler.stream_keys(rids, params, "verify", dev)
+        residual_keys = self.sampler.stream_keys(rids, params, "verify", dev)
+        accepted, token = race_rejection_accept(ids.to(dev), host_ints(counts, dev), qp, tp, accept_keys,
+                                                residual_keys, self.sampler.vocab_hash(v, dev))
+        host = torch.stack([accepted, token], 1).tolist()
+        return {r.request_id: list(r.draft_tokens[:n]) + [t] for r, (n, t) in zip(reqs, host)}
+
+    def accept(self, req: LlmRequest, rows: torch.Tensor, greedy_ids: Optional[list[int]] = None,
+               verified: Optional[list[int]] = None) -> list[int]:
         """rows [K+1, V] target logits for [anchor, d1..dK] -> committed tokens (at most the
         max_tokens - len(output) the request may still emit, at least 1).
 
         greedy_ids: the rows' argmax already on the host (saves a device sync per request).
+        verified: this request's entry of `verify_batch` for the step (else a sampling request
+        under the "batched" sampler is verified here, alone, with the same result).
         """
         drafts = list(req.draft_tokens)
         p = req.sampling_params
         if p.greedy:
             out = greedy_accept_ids(drafts, greedy_ids) if greedy_ids is not None else greedy_accept(drafts, rows)
+        elif verified is not None or self._batched_verify(req):
+            out = verified if verified is not None else self.verify_batch([(req, rows)])[req.request_id]
         else:
             tp = processed_probs(rows, p)
             gen = self.sampler.generator(req.request_id, p)

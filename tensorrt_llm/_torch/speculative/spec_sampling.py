@@ -1,9 +1,12 @@
 """Lossless rejection sampling on the GPU through flashinfer's `chain_speculative_sampling`.
 
-Two implementations of the same rule (`verification.rejection_accept` describes it):
+Three implementations of the same rule (`verification.rejection_accept` describes it):
 
     torch      : `rejection_accept`, a host loop per request (any device; the reference)
     flashinfer : one fused kernel launch for B requests (CUDA; flashinfer 0.7.2.post1)
+    batched    : `race_rejection.race_rejection_accept`, every sampling request of a step in one
+                 pass of torch ops on hash noise (any device; seed-stable; chosen only explicitly
+                 until it has been measured on the GPU)
 
 `resolve_rejection_sampler` picks one once per worker: flashinfer when the device is CUDA and
 `flashinfer.sampling` imports, torch otherwise (with the reason). flashinfer is imported only
@@ -29,7 +32,7 @@ import torch
 
 from .verification import rejection_accept
 
-RejectionSamplerName = Literal["torch", "flashinfer"]
+RejectionSamplerName = Literal["torch", "flashinfer", "batched"]
 KNOWN_REJECTION_SAMPLERS: tuple[str, ...] = get_args(RejectionSamplerName)
 
 
@@ -64,8 +67,8 @@ def resolve_rejection_sampler(device: torch.device, requested: Optional[str] = N
     if requested is not None and requested not in KNOWN_REJECTION_SAMPLERS:
         raise ValueError(f"unknown rejection sampler {requested!r}; known: "
                          f"{', '.join(KNOWN_REJECTION_SAMPLERS)} (or None for automatic)")
-    if requested == "torch":
-        return RejectionSamplerResolution("torch", "requested explicitly")
+    if requested in ("torch", "batched"):
+        return RejectionSamplerResolution(requested, "requested explicitly")
     if device.type != "cuda":
         why = f"flashinfer rejection sampling needs a CUDA device (device is {device.type})"
     else:
@@ -200,6 +203,9 @@ def run_rejection_accept(sampler: RejectionSamplerName, draft_ids: list[int], dr
 
     flashinfer with K = 0 has nothing to verify and uses the torch path (one draw from p_0).
     """
+    if sampler == "batched":
+        raise ValueError("the 'batched' rejection sampler verifies a whole step at once "
+                         "(DSparkWorker.verify_batch); it has no per-request entry")
     if sampler == "torch" or (sampler == "flashinfer" and not draft_ids):
         return rejection_accept(draft_ids, draft_probs, target_probs, generator)
     if sampler == "flashinfer":

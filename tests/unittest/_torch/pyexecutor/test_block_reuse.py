@@ -339,7 +339,7 @@ def _bad_hashed_blocks(kv: KVCacheManager, sequences) -> list:
     return [b for b in _hashed(kv) if expected.get(b.block_hash) != b.token_ids]
 
 
-def _accept_all(self, req, rows, greedy_ids=None):
+def _accept_all(self, req, rows, greedy_ids=None, verified=None):
     """Broken verifier: trusts every draft."""
     out = list(req.draft_tokens) + [int(rows[len(req.draft_tokens)].argmax())]
     self.stats_.record(len(out) - 1, len(req.draft_tokens))

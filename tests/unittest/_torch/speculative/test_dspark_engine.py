@@ -190,7 +190,7 @@ def test_full_drafts_near_max_tokens_commit_capped(tiny_llama_dir, drafters, bas
             lengths.append(k)
             req.draft_tokens = truth[tuple(req.prompt_token_ids)][len(req.output_token_ids):][:k]
 
-    def counting_accept(self, req, rows, greedy_ids=None):
+    def counting_accept(self, req, rows, greedy_ids=None, verified=None):
         if uncapped["hist"] is None:
             uncapped["hist"] = [0] * (self.max_draft_len + 1)
         d = list(req.draft_tokens)
@@ -198,7 +198,7 @@ def test_full_drafts_near_max_tokens_commit_capped(tiny_llama_dir, drafters, bas
         a = next((i for i, (x, y) in enumerate(zip(d, ids)) if x != y), len(d))
         uncapped["hist"][a] += 1
         uncapped["drafted"] += len(d)
-        return orig_accept(self, req, rows, greedy_ids)
+        return orig_accept(self, req, rows, greedy_ids, verified)
 
     monkeypatch.setattr(DSparkWorker, "_draft_group", oracle)
     monkeypatch.setattr(DSparkWorker, "accept", counting_accept)
@@ -247,22 +247,24 @@ def _two_sample_chi2(a: list, b: list) -> tuple[float, int]:
     return sum((ca[c] - cb[c]) ** 2 / (ca[c] + cb[c]) for c in cells), len(cells) - 1
 
 
-def _first_two_tokens(target, drafter, n: int, seed0: int):
-    spec = {"speculative_config": _spec(drafter)} if drafter else {}
+def _first_two_tokens(target, drafter, n: int, seed0: int, sampler: str = "auto"):
+    spec = {"speculative_config": _spec(drafter, rejection_sampler=sampler)} if drafter else {}
     params = [SamplingParams(max_tokens=2, temperature=1.0, top_k=3, seed=seed0 + i, ignore_eos=True)
               for i in range(n)]
     toks, stats = _run(target, [PROMPTS[0]] * n, params, max_batch_size=64, **spec)
     return [tuple(t) for t in toks], stats
 
 
-def test_sampled_spec_output_has_the_no_spec_distribution(tiny_llama_dir, drafters, monkeypatch):
+@pytest.mark.parametrize("sampler", ["torch", "batched"])
+def test_sampled_spec_output_has_the_no_spec_distribution(tiny_llama_dir, drafters, monkeypatch, sampler):
     """End to end at T > 0: the (first, second) token pairs of DSpark (batched drafting, rejection
-    verification) and of plain sampling are samples of one distribution (two-sample chi2); a
-    verifier that accepts every draft, the control, is far from it."""
+    verification by the per-request torch sampler or the per-step batched one) and of plain
+    sampling are samples of one distribution (two-sample chi2); a verifier that accepts every
+    draft, the control, is far from it."""
     import tensorrt_llm._torch.speculative.dspark_worker as worker_mod
     n = 1200
     plain, _ = _first_two_tokens(tiny_llama_dir, None, n, seed0=0)
-    spec, stats = _first_two_tokens(tiny_llama_dir, drafters["gqa"], n, seed0=n)   # independent samples
+    spec, stats = _first_two_tokens(tiny_llama_dir, drafters["gqa"], n, seed0=n, sampler=sampler)
     assert stats["speculative"]["request_steps"] >= n                  # the second token went through verify
     chi2, dof = _two_sample_chi2(plain, spec)
     crit = dof + 3.1 * (2 * dof) ** 0.5 + 5       # above the p = 0.001 point (26.1 at dof 8; seen: 8.5)
@@ -270,7 +272,12 @@ def test_sampled_spec_output_has_the_no_spec_distribution(tiny_llama_dir, drafte
 
     def accept_all(sampler, draft_ids, draft_probs, target_probs, generator):
         return list(draft_ids) + [int(torch.multinomial(target_probs[len(draft_ids)], 1, generator=generator))]
+
+    def accept_all_batched(draft_ids, num_drafts, draft_probs, target_probs, *keys):
+        rows = torch.arange(len(num_drafts))
+        return num_drafts, torch.multinomial(target_probs[rows, num_drafts], 1).squeeze(-1)
     monkeypatch.setattr(worker_mod, "run_rejection_accept", accept_all)
-    biased, _ = _first_two_tokens(tiny_llama_dir, drafters["gqa"], n, seed0=n)
+    monkeypatch.setattr(worker_mod, "race_rejection_accept", accept_all_batched)
+    biased, _ = _first_two_tokens(tiny_llama_dir, drafters["gqa"], n, seed0=n, sampler=sampler)
     chi2_bad, dof_bad = _two_sample_chi2(plain, biased)
     assert chi2_bad > 3 * crit, (chi2_bad, dof_bad)
