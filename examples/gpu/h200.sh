@@ -26,7 +26,8 @@
 #   compare : waits for training; paired AL of the `drafter` stage's drafters (arms gqa0/mla0) and the
 #             new ones (gqa/mla): T=0 on GPU 0, T=0.7 (first 40, torch rejection) on GPU 1; tables
 #   fetch   : B=gqa|mla: returns that trained drafter (tar parts)
-#   bench   : throughput table (no-spec FLASHINFER+graphs, DSpark MLA / GQA, VANILLA); extras;
+#   bench   : throughput table (no-spec FLASHINFER+graphs, DSpark MLA / GQA, VANILLA); T>0
+#             verification per step (torch vs batched rejection sampler); extras;
 #             EXTRA_YAML="key: value\n..." is appended to the three FLASHINFER arms' args; returns the
 #             GQA drafter
 set -uo pipefail
@@ -92,6 +93,8 @@ bench)
   done
   timeout 60 $B --extra-llm-api-options /tmp/yaml/vanilla.yaml --waves 1 --max-tokens 128 --concurrency 1 64 --json $OUT/bench_vanilla.json 2>&1 | grep "^|" | tail -3
   stamp "vanilla"
+  timeout 90 python3 -m tensorrt_llm.bench.verify_bench --samplers torch batched --iters 20 --json $OUT/verify_bench.json 2>&1 | tail -8
+  stamp "verify_bench"
   timeout 100 python3 examples/gpu/h200_extras.py --model $M --gqa $RUNS/gqa/drafter --mla $RUNS/mla/drafter --json $OUT/extras.json 2>&1 | tail -50
   stamp "extras"
   return_drafter gqa

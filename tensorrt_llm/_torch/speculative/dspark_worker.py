@@ -28,7 +28,7 @@ from ..pyexecutor.llm_request import LlmRequest, RequestState
 from ..pyexecutor.model_engine import build_metadata
 from ..pyexecutor.sampler import Sampler, host_ints, processed_probs, processed_rows
 from .accept_stats import AcceptStats
-from .race_rejection import race_rejection_accept
+from .batched_rejection import batched_rejection_accept
 from .spec_sampling import RejectionSamplerName, resolve_rejection_sampler, run_rejection_accept
 from .verification import greedy_accept, greedy_accept_ids
 
@@ -106,21 +106,26 @@ class DSparkWorker:
         tp_flat = processed_rows(torch.cat([x for _, x in items]),
                                  [p for p, n in zip(params, counts) for _ in range(n + 1)])
         v = tp_flat.shape[-1]
-        tp = tp_flat.new_zeros(len(reqs), k + 1, v)
-        qp = tp_flat.new_zeros(len(reqs), k, v)
-        ids = torch.zeros(len(reqs), k, dtype=torch.int64)
-        at = 0
-        for b, (req, n) in enumerate(zip(reqs, counts)):
-            tp[b, :n + 1] = tp_flat[at:at + n + 1]
-            at += n + 1
-            if n:
-                qp[b, :n] = req.draft_probs[:n]
-                ids[b, :n] = torch.tensor(req.draft_tokens)
+        if all(n == k for n in counts):   # the usual step: no padding copies
+            tp = tp_flat.view(len(reqs), k + 1, v)
+            qp = torch.stack([r.draft_probs[:k] for r in reqs]) if k else tp_flat.new_zeros(len(reqs), 0, v)
+            ids = torch.tensor([r.draft_tokens for r in reqs], dtype=torch.int64).view(len(reqs), k)
+        else:
+            tp = tp_flat.new_zeros(len(reqs), k + 1, v)
+            qp = tp_flat.new_zeros(len(reqs), k, v)
+            ids = torch.zeros(len(reqs), k, dtype=torch.int64)
+            at = 0
+            for b, (req, n) in enumerate(zip(reqs, counts)):
+                tp[b, :n + 1] = tp_flat[at:at + n + 1]
+                at += n + 1
+                if n:
+                    qp[b, :n] = req.draft_probs[:n]
+                    ids[b, :n] = torch.tensor(req.draft_tokens)
         rids = [r.request_id for r in reqs]
         accept_keys = self.sampler.stream_keys(rids, params, "verify", dev)
         residual_keys = self.sampler.stream_keys(rids, params, "verify", dev)
-        accepted, token = race_rejection_accept(ids.to(dev), host_ints(counts, dev), qp, tp, accept_keys,
-                                                residual_keys, self.sampler.vocab_hash(v, dev))
+        accepted, token = batched_rejection_accept(ids.to(dev), host_ints(counts, dev), qp, tp, accept_keys,
+                                                residual_keys)
         host = torch.stack([accepted, token], 1).tolist()
         return {r.request_id: list(r.draft_tokens[:n]) + [t] for r, (n, t) in zip(reqs, host)}
 

@@ -4,7 +4,7 @@ Three implementations of the same rule (`verification.rejection_accept` describe
 
     torch      : `rejection_accept`, a host loop per request (any device; the reference)
     flashinfer : one fused kernel launch for B requests (CUDA; flashinfer 0.7.2.post1)
-    batched    : `race_rejection.race_rejection_accept`, every sampling request of a step in one
+    batched    : `batched_rejection.batched_rejection_accept`, every sampling request of a step in one
                  pass of torch ops on hash noise (any device; seed-stable; chosen only explicitly
                  until it has been measured on the GPU)
 

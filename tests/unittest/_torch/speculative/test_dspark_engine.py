@@ -277,7 +277,7 @@ def test_sampled_spec_output_has_the_no_spec_distribution(tiny_llama_dir, drafte
         rows = torch.arange(len(num_drafts))
         return num_drafts, torch.multinomial(target_probs[rows, num_drafts], 1).squeeze(-1)
     monkeypatch.setattr(worker_mod, "run_rejection_accept", accept_all)
-    monkeypatch.setattr(worker_mod, "race_rejection_accept", accept_all_batched)
+    monkeypatch.setattr(worker_mod, "batched_rejection_accept", accept_all_batched)
     biased, _ = _first_two_tokens(tiny_llama_dir, drafters["gqa"], n, seed0=n, sampler=sampler)
     chi2_bad, dof_bad = _two_sample_chi2(plain, biased)
     assert chi2_bad > 3 * crit, (chi2_bad, dof_bad)

@@ -1,4 +1,4 @@
-"""The "batched" rejection sampler (`race_rejection.py`) and its wiring, on the CPU.
+"""The "batched" rejection sampler (`batched_rejection.py`) and its wiring, on the CPU.
 
 Distribution: the committed first and second tokens follow the target and the accepted-count
 histogram follows the closed form (chi-square, as test_spec_sampling.py does for flashinfer), with
@@ -14,15 +14,12 @@ import torch
 
 from tensorrt_llm import LLM, SamplingParams
 from tensorrt_llm._torch.pyexecutor.sampler import Sampler, draw_key, processed_rows
-from tensorrt_llm._torch.speculative.race_rejection import accept_uniforms, race_rejection_accept
+from tensorrt_llm._torch.speculative.batched_rejection import (accept_uniforms, batched_rejection_accept,
+                                                                fine_uniforms)
 from tensorrt_llm._torch.speculative.spec_sampling import resolve_rejection_sampler, run_rejection_accept
 from test_dspark_engine import drafters  # noqa: F401  (module fixture)
 from test_spec_sampling import (CHI2_P999, CPU, K, V, _chi2, _dists, _emitted_probs, _histograms,
                                 _sampled_request, _worker)
-
-
-def _vocab_hash() -> torch.Tensor:
-    return Sampler(0, CPU).vocab_hash(V, CPU)
 
 
 def _keys(seeds: range, draw: int) -> torch.Tensor:
@@ -35,8 +32,8 @@ def _trials(n: int, lie: bool = False) -> list[list[int]]:
     g = torch.Generator().manual_seed(5)
     drafts = torch.multinomial(q, n, replacement=True, generator=g).T.contiguous()   # [n, K] ~ q
     claimed = (p[:K] if lie else q).expand(n, K, V)
-    acc, tok = race_rejection_accept(drafts, torch.full((n,), K), claimed, p.expand(n, K + 1, V),
-                                     _keys(range(n), 0), _keys(range(n), 1), _vocab_hash())
+    acc, tok = batched_rejection_accept(drafts, torch.full((n,), K), claimed, p.expand(n, K + 1, V),
+                                     _keys(range(n), 0), _keys(range(n), 1))
     return [drafts[b, :a].tolist() + [t] for b, (a, t) in enumerate(zip(acc.tolist(), tok.tolist()))]
 
 
@@ -66,6 +63,26 @@ def test_uniforms_are_uniform_and_differ_by_position():
     assert _chi2(torch.histc(same[:, 2], bins=10, min=0, max=1), torch.full((10,), 0.1)) > 1000
 
 
+def test_the_drawn_token_follows_a_sparse_distribution_and_never_one_without_mass():
+    n = 20000
+    p = torch.zeros(V)
+    p[2], p[5], p[7] = 0.7, 0.2999, 1e-4
+    tok = batched_rejection_accept(torch.zeros(n, 0, dtype=torch.int64), torch.zeros(n, dtype=torch.int64),
+                                   torch.zeros(n, 0, V), p.expand(n, 1, V), _keys(range(n), 0), _keys(range(n), 1))[1]
+    counts = torch.bincount(tok, minlength=V).float()
+    assert set(torch.nonzero(counts).flatten().tolist()) <= {2, 5, 7}
+    assert _chi2(counts[[2, 5]], torch.tensor([0.7, 0.3])) < CHI2_P999[3]
+    u = fine_uniforms(_keys(range(n), 1))
+    assert u.dtype == torch.float64 and 0 < float(u.min()) and float(u.max()) < 1
+    assert len(set(u.tolist())) == n                                        # 48 bits: no ties
+    assert _chi2(torch.histc(u.float(), bins=10, min=0, max=1), torch.full((10,), 0.1)) < 27.9
+    # control: a draw that ignores the mass (uniform over V) lands on massless tokens
+    flat = batched_rejection_accept(torch.zeros(n, 0, dtype=torch.int64), torch.zeros(n, dtype=torch.int64),
+                                    torch.zeros(n, 0, V), torch.full((n, 1, V), 1.0 / V), _keys(range(n), 0),
+                                    _keys(range(n), 1))[1]
+    assert len(set(flat.tolist()) - {2, 5, 7}) == V - 3
+
+
 def test_a_request_commits_the_same_alone_and_in_a_batch():
     g = torch.Generator().manual_seed(3)
     counts = [3, 0, 1, 2, 3]
@@ -74,18 +91,18 @@ def test_a_request_commits_the_same_alone_and_in_a_batch():
     q = torch.softmax(torch.randn(b, K, V, generator=g), -1)
     d = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(b, K)
     n = torch.tensor(counts)
-    ak, rk, vh = _keys(range(10, 10 + b), 0), _keys(range(10, 10 + b), 1), _vocab_hash()
-    together = torch.stack(race_rejection_accept(d, n, q, p, ak, rk, vh), 1).tolist()
+    ak, rk = _keys(range(10, 10 + b), 0), _keys(range(10, 10 + b), 1)
+    together = torch.stack(batched_rejection_accept(d, n, q, p, ak, rk), 1).tolist()
     for i, c in enumerate(counts):   # alone, with only its own drafts (K = c)
-        alone = race_rejection_accept(d[i:i + 1, :c], n[i:i + 1], q[i:i + 1, :c], p[i:i + 1, :c + 1],
-                                      ak[i:i + 1], rk[i:i + 1], vh)
+        alone = batched_rejection_accept(d[i:i + 1, :c], n[i:i + 1], q[i:i + 1, :c], p[i:i + 1, :c + 1],
+                                      ak[i:i + 1], rk[i:i + 1])
         assert [int(alone[0]), int(alone[1])] == together[i]
     assert together[1][0] == 0                                              # no drafts: nothing accepted
     # control: other keys give other outcomes for some request
-    other = torch.stack(race_rejection_accept(d, n, q, p, ak + 1, rk + 1, vh), 1).tolist()
+    other = torch.stack(batched_rejection_accept(d, n, q, p, ak + 1, rk + 1), 1).tolist()
     assert other != together
     with pytest.raises(ValueError, match="shapes"):
-        race_rejection_accept(d, n, q, p[:, :K], ak, rk, vh)
+        batched_rejection_accept(d, n, q, p[:, :K], ak, rk)
 
 
 def test_worker_step_and_single_entries_agree(tiny_llama_dir):
@@ -114,16 +131,15 @@ def test_worker_step_and_single_entries_agree(tiny_llama_dir):
     fresh = Sampler(0, CPU)
     params = [SamplingParams(max_tokens=16, temperature=1.0, seed=11)]
     ak, rk = fresh.stream_keys([1], params, "verify", CPU), fresh.stream_keys([1], params, "verify", CPU)
-    a, t = race_rejection_accept(torch.tensor([drafts[0]]), torch.tensor([K]), qs[0][None], p0[None], ak, rk,
-                                 fresh.vocab_hash(V, CPU))
+    a, t = batched_rejection_accept(torch.tensor([drafts[0]]), torch.tensor([K]), qs[0][None], p0[None], ak, rk)
     assert outs[0] == drafts[0][:int(a)] + [int(t)]
 
 
 def test_engine_runs_batched_verification_and_repeats_per_seed(tiny_llama_dir, drafters, monkeypatch):
     import tensorrt_llm._torch.speculative.dspark_worker as worker_mod
     widths: list[int] = []
-    real = worker_mod.race_rejection_accept
-    monkeypatch.setattr(worker_mod, "race_rejection_accept",
+    real = worker_mod.batched_rejection_accept
+    monkeypatch.setattr(worker_mod, "batched_rejection_accept",
                         lambda ids, *rest: (widths.append(ids.shape[0]), real(ids, *rest))[1])
     spec = {"decoding_type": "DSpark", "speculative_model": str(drafters["gqa"]), "rejection_sampler": "batched"}
     params = [SamplingParams(max_tokens=12, temperature=0.8, seed=100 + i, ignore_eos=True) for i in range(6)]

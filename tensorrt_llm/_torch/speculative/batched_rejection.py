@@ -10,17 +10,19 @@ and "flashinfer", sync once per request).
 
 The rule is `verification.rejection_accept`'s: draft i is accepted iff q_i(d_i) > 0 and
 u_i * q_i(d_i) < p_i(d_i); at the first rejection n the token is drawn from max(p_n - q_n, 0)
-(from p_n when that has no mass); after K acceptances from p_K. The draw is the exponential race
-argmax r / E with E ~ Exp(1), which samples r / sum(r) without normalising r.
+(from p_n when that has no mass); after K acceptances from p_K. That draw inverts the
+cumulative distribution (float64, a 48-bit uniform): on a CPU it costs a tenth of the exponential
+race that plain sampling uses (38 vs 3 ms for 64 x 49,152).
 """
 from __future__ import annotations
 
 import torch
 
-from ..pyexecutor.sampler import mix32, race_noise
+from ..pyexecutor.sampler import mix32
 
 _POS_MUL, _POS_ADD = 0x85EBCA6B, 0x165667B1   # position hash constants (other than the vocab hash's)
 _M32 = 0xFFFFFFFF
+_FINE_SALT = 0x27220A95
 
 
 def accept_uniforms(keys: torch.Tensor, n: int) -> torch.Tensor:
@@ -30,15 +32,22 @@ def accept_uniforms(keys: torch.Tensor, n: int) -> torch.Tensor:
     return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
-def race_rejection_accept(draft_ids: torch.Tensor, num_drafts: torch.Tensor, draft_probs: torch.Tensor,
+def fine_uniforms(keys: torch.Tensor) -> torch.Tensor:
+    """keys [B] int64 -> uniforms [B] float64 in (0, 1) with 48 random bits (two hashes of the key)."""
+    h1 = mix32(keys ^ _FINE_SALT)
+    h2 = mix32(h1 ^ _POS_ADD)
+    return ((h1 >> 8).double() + ((h2 >> 8).double() + 0.5) * (1.0 / (1 << 24))) * (1.0 / (1 << 24))
+
+
+def batched_rejection_accept(draft_ids: torch.Tensor, num_drafts: torch.Tensor, draft_probs: torch.Tensor,
                           target_probs: torch.Tensor, accept_keys: torch.Tensor, residual_keys: torch.Tensor,
-                          vocab_hash: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rejection sampling of B requests at once, on their device, without a sync.
 
     draft_ids [B, K] int64 (entries at or past num_drafts[b] are ignored), num_drafts [B] int64
     (0..K), draft_probs [B, K, V] (the distributions the drafts were drawn from), target_probs
     [B, K+1, V] (the target's processed distributions at the anchor and after each draft; rows
-    past num_drafts[b] are ignored), accept_keys / residual_keys [B] int64, vocab_hash [V] int64.
+    past num_drafts[b] are ignored), accept_keys / residual_keys [B] int64.
     Returns (accepted [B] int64, token [B] int64): request b commits draft_ids[b, :accepted[b]]
     and then `token[b]`.
     """
@@ -58,9 +67,15 @@ def race_rejection_accept(draft_ids: torch.Tensor, num_drafts: torch.Tensor, dra
     accepted = ok.long().cumprod(-1).sum(-1)                     # leading accepted drafts
     rows = torch.arange(b, device=dev)
     p_n = p[rows, accepted]
-    q_pad = torch.cat([q, q.new_zeros(b, 1, v)], 1)
-    q_n = q_pad[rows, accepted] * (accepted < num_drafts)[:, None]   # no draft at n: draw from p_n
+    if k:   # no draft at n (all accepted, or none proposed): q_n = 0, so the draw is from p_n
+        q_n = q[rows, accepted.clamp(max=k - 1)] * (accepted < num_drafts)[:, None]
+    else:
+        q_n = torch.zeros_like(p_n)
     resid = (p_n - q_n).clamp(min=0)
     resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p_n)
-    token = (resid / race_noise(residual_keys, vocab_hash)).argmax(-1)
+    # inverse CDF in float64 with a 48-bit uniform: the first token whose cumulative mass exceeds
+    # u * total (a token without mass never does; u < 1 keeps the point inside the last bin)
+    cdf = resid.double().cumsum(-1)
+    point = fine_uniforms(residual_keys) * cdf[:, -1]
+    token = torch.searchsorted(cdf, point[:, None], right=True).squeeze(-1).clamp(max=v - 1)
     return accepted, token
