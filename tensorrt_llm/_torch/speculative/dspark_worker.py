@@ -102,30 +102,33 @@ class DSparkWorker:
         reqs = [r for r, _ in items]
         params = [r.sampling_params for r in reqs]
         counts = [len(r.draft_tokens) for r in reqs]
+        for r, x in items:
+            if x.shape[0] != len(r.draft_tokens) + 1:
+                raise ValueError(f"request {r.request_id}: {x.shape[0]} target rows for "
+                                 f"{len(r.draft_tokens)} drafts (want drafts + 1)")
         k, dev = max(counts), items[0][1].device
+        # drafts padded to k, sent from pinned memory (no wait on the device queue)
+        ids = host_ints([t for r in reqs for t in list(r.draft_tokens) + [0] * (k - len(r.draft_tokens))],
+                        dev).view(len(reqs), k)
         tp_flat = processed_rows(torch.cat([x for _, x in items]),
                                  [p for p, n in zip(params, counts) for _ in range(n + 1)])
         v = tp_flat.shape[-1]
         if all(n == k for n in counts):   # the usual step: no padding copies
             tp = tp_flat.view(len(reqs), k + 1, v)
             qp = torch.stack([r.draft_probs[:k] for r in reqs]) if k else tp_flat.new_zeros(len(reqs), 0, v)
-            ids = torch.tensor([r.draft_tokens for r in reqs], dtype=torch.int64).view(len(reqs), k)
         else:
             tp = tp_flat.new_zeros(len(reqs), k + 1, v)
             qp = tp_flat.new_zeros(len(reqs), k, v)
-            ids = torch.zeros(len(reqs), k, dtype=torch.int64)
             at = 0
             for b, (req, n) in enumerate(zip(reqs, counts)):
                 tp[b, :n + 1] = tp_flat[at:at + n + 1]
                 at += n + 1
                 if n:
                     qp[b, :n] = req.draft_probs[:n]
-                    ids[b, :n] = torch.tensor(req.draft_tokens)
         rids = [r.request_id for r in reqs]
         accept_keys = self.sampler.stream_keys(rids, params, "verify", dev)
         residual_keys = self.sampler.stream_keys(rids, params, "verify", dev)
-        accepted, token = batched_rejection_accept(ids.to(dev), host_ints(counts, dev), qp, tp, accept_keys,
-                                                residual_keys)
+        accepted, token = batched_rejection_accept(ids, host_ints(counts, dev), qp, tp, accept_keys, residual_keys)
         host = torch.stack([accepted, token], 1).tolist()
         return {r.request_id: list(r.draft_tokens[:n]) + [t] for r, (n, t) in zip(reqs, host)}
 

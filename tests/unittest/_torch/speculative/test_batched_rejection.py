@@ -124,6 +124,8 @@ def test_worker_step_and_single_entries_agree(tiny_llama_dir):
     assert outs == [single.accept(r, x) for r, x in zip(reqs(), rows)]    # one at a time: same tokens
     assert all(1 <= len(o) <= len(d) + 1 and o[:-1] == d[:len(o) - 1] for o, d in zip(outs, drafts))
     assert step.stats_.as_dict()["request_steps"] == 3
+    with pytest.raises(ValueError, match="request 1: 3 target rows for 3 drafts"):
+        step.verify_batch([(reqs()[0], rows[0][:3])])
     torch_worker = _worker(tiny_llama_dir, CPU, "torch")
     assert torch_worker.verify_batch(list(zip(reqs(), rows))) == {}         # other samplers: per request
     # the step entry used the processed (temperature 1) target rows: a hand-built call agrees
