@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union

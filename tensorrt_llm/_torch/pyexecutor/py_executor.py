@@ -13,8 +13,6 @@ import time
 import traceback
 from typing import Callable, Optional, Sequence
 
-import torch
-
 from .llm_request import LlmRequest, RequestState
 from .model_engine import ForwardOutput, ForwardSegment, ModelEngine
 from .resource_manager import KVCacheManager

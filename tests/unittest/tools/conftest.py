@@ -181,3 +181,10 @@ def tiny_gguf(tmp_path: Path) -> Callable[..., TinyGguf]:
 def permute_ref() -> Callable[..., np.ndarray]:
     """llama.cpp's q/k permutation, for tests to build their own expectations."""
     return llama_cpp_permute
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory) -> Path:
+    """The tiny Llama target with tokenizer and chat template (`dspark_tiny.build_tiny_target`)."""
+    from dspark_tiny import build_tiny_target
+    return build_tiny_target(tmp_path_factory.mktemp("tiny_target"))

@@ -17,69 +17,8 @@ from tensorrt_llm._torch.models.modeling_dspark import DSparkForCausalLMBase, lo
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
 from tensorrt_llm.tools.dspark_train_forward import (IGNORE_INDEX, block_inputs, block_labels, block_logits,
                                                      build_block_mask, expected_accept_length, train_forward)
-from tensorrt_llm.tools.train_dspark import DSparkTrainConfig, _split, load_data, main, regenerate, train
-from tensorrt_llm.tools.dspark_data import answer_seed, shard_file
-
-VOCAB, SPECIALS = 512, ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<mask>"]
-MASK_ID = 3
-CHAT_TEMPLATE = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + "
-                 "'<|im_end|>\n'}}{% endfor %}"
-                 "{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}{% endif %}")
-PROMPTS = ["the quick brown fox", "hello world, what is the capital of france?", "once upon a time",
-           "a paged kv cache holds keys and values", "speculative decoding drafts tokens", "tell me a story",
-           "what is two plus two?", "write a poem about the sea", "why is the sky blue?", "name three colors",
-           "count from one to ten", "describe a cat"]
-
-
-# ---- tiny target -------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory) -> Path:
-    """transformers Llama (hidden 64, 2 layers, 4 heads, 2 KV heads, vocab 512) + BPE tokenizer."""
-    import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    folder = tmp_path_factory.mktemp("tiny_target")
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                                   max_position_embeddings=512, tie_word_embeddings=True, rms_norm_eps=1e-5,
-                                   bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).float().eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():                      # peaky logits: greedy text is stable and learnable
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                scale = 0.5 if "embed" in name else 2.0 * p.shape[-1] ** -0.5
-                p.copy_(torch.randn(p.shape, generator=g) * scale)
-    model.save_pretrained(folder, safe_serialization=True)
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    tk.train_from_iterator(PROMPTS * 4, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
-    tk.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE}))
-    (folder / "prompts.json").write_text(json.dumps(PROMPTS))
-    return folder
-
-
-TINY_DRAFTER = {"num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 96, "block_size": 4,
-                "target_layer_ids": [0, 1], "mask_token_id": MASK_ID, "markov_rank": 4,
-                "gqa": {"num_key_value_heads": 2, "head_dim": 16},
-                "mla": {"kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16}}
-
-
-def tiny_config(target: Path, out: Path, backbone: str, **train) -> DSparkTrainConfig:
-    return DSparkTrainConfig(
-        target=str(target), backbone=backbone, output_dir=str(out),
-        drafter=TINY_DRAFTER,
-        data={"prompts_file": str(target / "prompts.json"), "num_prompts": 12, "max_prompt_tokens": 64,
-              "max_new_tokens": 24, "gen_batch": 8, "cache_file": str(out.parent / "regen.jsonl")},
-        train={"steps": 30, "batch_size": 4, "anchors_per_seq": 6, "lr": 3e-3, "warmup_steps": 3,
-               "eval_fraction": 0.25, "eval_every": 10, "checkpoint_every": 10, "device": "cpu", **train})
-
+from tensorrt_llm.tools.train_dspark import DSparkTrainConfig, main, regenerate, train
+from dspark_tiny import MASK_ID, TINY_DRAFTER, VOCAB, tiny_config
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
@@ -326,91 +265,6 @@ def test_cli_yaml_overrides_and_stages(tiny_target, tmp_path):
         regenerate(DSparkTrainConfig.from_yaml(path, {"data.max_new_tokens": 8}))
 
 
-def test_sharded_regeneration_from_gzip_prompts(tiny_target, tmp_path):
-    """Shards i::n (separate `--stage data --shard i` runs, here with grouped admission) together
-    equal the unsharded data."""
-    import gzip
-    import yaml
-    whole = tiny_config(tiny_target, tmp_path / "whole" / "x", "gqa")
-    ref = regenerate(whole)
-    gz = tmp_path / "prompts.json.gz"
-    gz.write_bytes(gzip.compress((tiny_target / "prompts.json").read_bytes()))
-    cfg = tiny_config(tiny_target, tmp_path / "sh" / "x", "gqa", steps=2, eval_every=1)
-    cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"prompts_file": str(gz), "num_shards": 2,
-                                                                      "gen_batch": 3, "gen_admit_min_slots": 2})})
-    path = tmp_path / "sh.yaml"
-    path.write_text(yaml.safe_dump(cfg.model_dump(exclude_none=True)))
-    assert main(["--config", str(path), "--stage", "data", "--shard", "1"]) == 0
-    with pytest.raises(SystemExit, match="shard 0 has not finished"):
-        main(["--config", str(path), "--stage", "train"])
-    assert main(["--config", str(path), "--stage", "data", "--shard", "0"]) == 0
-    rows = load_data(cfg)
-    by_prompt = {tuple(r["prompt_ids"]): r["output_ids"] for r in ref}
-    assert len(rows) == len(ref) == 12
-    assert [tuple(r["prompt_ids"]) for r in rows] == [tuple(r["prompt_ids"]) for r in ref[0::2] + ref[1::2]]
-    assert all(by_prompt[tuple(r["prompt_ids"])] == r["output_ids"] for r in rows)
-    assert main(["--config", str(path), "--stage", "train"]) == 0
-    with pytest.raises(SystemExit):
-        main(["--config", str(path), "--stage", "train", "--shard", "0"])
-    with pytest.raises(ValueError, match="outside"):
-        regenerate(cfg, 2)
-
-
-def test_sampled_regeneration_is_seeded(tiny_target, tmp_path):
-    """data.temperature > 0 (more answers per prompt): reproducible for a seed, other answers than
-    greedy (the control), other answers for another train.seed; the seed is part of the cache meta."""
-    def sampled(name: str, seed: int) -> list[dict]:
-        cfg = tiny_config(tiny_target, tmp_path / name / "x", "gqa", seed=seed)
-        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"temperature": 0.7})})
-        rows = regenerate(cfg)
-        meta = json.loads(cfg.cache_file.with_suffix(".meta.json").read_text())
-        assert meta["temperature"] == 0.7 and meta["seed"] == seed
-        return rows
-    greedy = regenerate(tiny_config(tiny_target, tmp_path / "greedy" / "x", "gqa"))
-    a, again, other = sampled("a", 0), sampled("again", 0), sampled("other", 1)
-    assert [r["prompt_ids"] for r in a] == [r["prompt_ids"] for r in greedy]
-    assert a == again
-    assert sum(x["output_ids"] != y["output_ids"] for x, y in zip(a, greedy)) >= 6
-    assert sum(x["output_ids"] != y["output_ids"] for x, y in zip(a, other)) >= 6
-    # sharded: each answer's seed follows its prompt, not its place in a shard, so three shards give
-    # the unsharded answers (with per-shard seeds, shard 1's first prompt drew shard 0's first stream)
-    cfg = tiny_config(tiny_target, tmp_path / "sh" / "x", "gqa", seed=0)
-    cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"temperature": 0.7, "num_shards": 3})})
-    for shard in range(3):
-        regenerate(cfg, shard)
-    by_prompt = {tuple(r["prompt_ids"]): r["output_ids"] for r in a}
-    rows = load_data(cfg)
-    assert len(rows) == len(a) and all(by_prompt[tuple(r["prompt_ids"])] == r["output_ids"] for r in rows)
-    assert json.loads(shard_file(cfg, 1).with_suffix(".meta.json").read_text())["seeds_by"] == "prompt"
-    seeds = [answer_seed(s, p, k) for s in range(3) for p in range(2000) for k in range(3)]
-    assert len(set(seeds)) == len(seeds)
-    assert answer_seed(0, 5, 0) == 5 and answer_seed(1, 5, 1) != answer_seed(0, 6, 1)  # seeds don't shift into each other
-
-
-def test_answers_per_prompt(tiny_target, tmp_path):
-    """data.answers_per_prompt = 2: every prompt's first answer (the same tokens as one answer per
-    prompt), then every prompt's second one from another seed; the held-out split is
-    prompt-disjoint; greedy with more than one answer is rejected."""
-    def cfg_for(name: str, n: int):
-        cfg = tiny_config(tiny_target, tmp_path / name / "x", "gqa")
-        return cfg.model_copy(update={"data": cfg.data.model_copy(update={"temperature": 0.9,
-                                                                          "answers_per_prompt": n})})
-    one = regenerate(cfg_for("one", 1))
-    two = regenerate(cfg_for("two", 2))
-    assert len(two) == 2 * len(one) == 24
-    assert two[:12] == one                                        # answer 0 keeps the one-answer seeds
-    assert [r["prompt_ids"] for r in two[12:]] == [r["prompt_ids"] for r in one]
-    assert sum(a["output_ids"] != b["output_ids"] for a, b in zip(two[12:], one)) >= 6   # new answers
-    tcfg = cfg_for("two", 2).train.model_copy(update={"eval_fraction": 0.2, "eval_max_sequences": 3})
-    train_rows, held = _split(two, tcfg, 4)
-    held_prompts = {tuple(r["prompt_ids"]) for r in held}
-    assert len(held) == 3 and not held_prompts & {tuple(r["prompt_ids"]) for r in train_rows}
-    assert len(train_rows) == len(two) - 2 * len(held_prompts)      # the other answers of held prompts
-    with pytest.raises(ValueError, match="answers_per_prompt=2 needs data.temperature > 0"):
-        tiny_config(tiny_target, tmp_path / "g" / "x", "gqa").data.model_validate(
-            {"answers_per_prompt": 2, "prompts_file": str(tiny_target / "prompts.json")})
-
-
 def test_shipped_configs_fit_budget():
     """examples/dspark/train_{gqa,mla}.yaml differ only in backbone; each drafter <= 45 MB in bf16."""
     from tensorrt_llm.tools.train_dspark import build_drafter
@@ -427,45 +281,6 @@ def test_shipped_configs_fit_budget():
         with torch.device("meta"):
             n = sum(p.numel() for p in build_drafter(cfg, smol).parameters())
         assert n == expected[backbone] and 2 * n <= 45e6
-
-
-def test_sharegpt_turns_export_and_prompt_selection(tiny_target, tmp_path):
-    """turns='all' yields every first turn before any later turn; export dedupes; select_prompts
-    keeps order, applies the chat template, drops over-long prompts and stops at num_prompts."""
-    import gzip
-    from tensorrt_llm.llmapi.tokenizer import TokenizerWrapper
-    from tensorrt_llm.tools.dspark_data import _sharegpt_prompts, export_prompts, select_prompts
-    convs = [{"id": "a", "conversations": [{"from": "human", "value": "hello world"},
-                                           {"from": "gpt", "value": "hi"},
-                                           {"from": "human", "value": "tell me a story"}]},
-             {"id": "b", "conversations": [{"from": "human", "value": "describe a cat"},
-                                           {"from": "gpt", "value": "a cat"},
-                                           {"from": "human", "value": "hello world"},
-                                           {"from": "gpt", "value": "again"},
-                                           {"from": "human", "value": "why is the sky blue? " * 40}]}]
-    src = tmp_path / "sharegpt.json"
-    src.write_text(json.dumps(convs))
-    assert list(_sharegpt_prompts(str(src), "first")) == ["hello world", "describe a cat"]
-    assert list(_sharegpt_prompts(str(src), "all")) == ["hello world", "describe a cat", "tell me a story",
-                                                        "hello world", "why is the sky blue? " * 40]
-    out = tmp_path / "p.json.gz"
-    assert export_prompts(str(src), out, "all") == 4          # the repeated "hello world" once
-    texts = json.loads(gzip.decompress(out.read_bytes()))
-    assert texts[:3] == ["hello world", "describe a cat", "tell me a story"]
-    tok = TokenizerWrapper(tiny_target)
-    cfg = tiny_config(tiny_target, tmp_path / "x", "gqa")
-    data = cfg.data.model_copy(update={"prompts_file": str(out), "num_prompts": 10, "max_prompt_tokens": 40})
-    got = select_prompts(data, tok)
-    want = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts[:3]]
-    assert got == want                                        # the long 4th prompt is dropped
-    assert select_prompts(data.model_copy(update={"num_prompts": 2}), tok) == want[:2]
-    # skip_prompts: the next fresh prompts after the first ones (skips qualifying prompts only)
-    assert select_prompts(data.model_copy(update={"num_prompts": 1, "skip_prompts": 1}), tok) == want[1:2]
-    assert select_prompts(data.model_copy(update={"skip_prompts": 2}), tok) == want[2:]
-    with pytest.raises(ValueError, match="skip_prompts=3"):
-        select_prompts(data.model_copy(update={"skip_prompts": 3}), tok)
-    with pytest.raises(ValueError, match="no prompt left"):
-        select_prompts(data.model_copy(update={"max_prompt_tokens": 8}), tok)
 
 
 # ---- the two-GPU driver script, on CPU -----------------------------------------------------
