@@ -164,7 +164,7 @@ class PyExecutor:
         row_ids = self.sampler.choose(out.logits, [r for r, _ in rows], [q.request_id for _, q in rows],
                                          [q.sampling_params for _, q in rows]).tolist() if out.logits.shape[0] else []
         verified: dict[int, list[int]] = {}
-        if spec is not None and len(reqs) > num_ctx:
+        if spec is not None and spec.verifies_in_batch and len(reqs) > num_ctx:
             # the "batched" rejection sampler verifies every sampling request of the step at once;
             # if that fails, each request is verified alone below (so only a bad one fails)
             try:

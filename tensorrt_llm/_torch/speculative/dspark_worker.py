@@ -88,6 +88,11 @@ class DSparkWorker:
                 "attention_backend": {"name": self.resolution.name, "reason": self.resolution.reason}}
 
     # ---- verification ------------------------------------------------------------------
+    @property
+    def verifies_in_batch(self) -> bool:
+        """True when sampling requests are verified per step (`verify_batch`), not per request."""
+        return self.rejection.name == "batched"
+
     def _batched_verify(self, req: LlmRequest) -> bool:
         return (self.rejection.name == "batched" and not req.sampling_params.greedy
                 and self.cfg.use_rejection_sampling and req.draft_probs is not None)
