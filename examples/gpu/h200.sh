@@ -24,7 +24,8 @@
 #             transformers arm runs on GPU 1; returns the MLA drafter. AL_REJ=torch verifies T=0.7
 #             without flashinfer's sampling kernel (its first-use JIT took > 170 s on one H200)
 #   compare : waits for training; paired AL of the `drafter` stage's drafters (arms gqa0/mla0) and the
-#             new ones (gqa/mla): T=0 on GPU 0, T=0.7 (first 40, torch rejection) on GPU 1; tables
+#             new ones (gqa/mla): T=0 on GPU 0, T=0.7 (first 40, AL_REJ rejection sampler, default
+#             torch; batched also avoids flashinfer's JIT) on GPU 1; tables
 #   fetch   : B=gqa|mla: returns that trained drafter (tar parts)
 #   bench   : throughput table (no-spec FLASHINFER+graphs, DSpark MLA / GQA, VANILLA); T>0
 #             verification per step (torch vs batched rejection sampler); extras;
@@ -130,7 +131,7 @@ compare)  # waits for training; AL of the `drafter` stage's drafters (gqa0/mla0)
   P=/tmp/persist/drafters/smollm2-135m-dspark-
   AL="python3 -m tensorrt_llm.bench.eval_acceptance --model $M --drafter gqa0=${BASE_GQA:-${P}gqa} --drafter mla0=${BASE_MLA:-${P}mla}
     --drafter gqa=$RUNS/gqa/drafter --drafter mla=$RUNS/mla/drafter --prompts-file /tmp/persist/eval_prompts.json
-    --concurrency 64 --cuda-graph --attn-backend FLASHINFER --kv-max-tokens 262144 --rejection-sampler torch"
+    --concurrency 64 --cuda-graph --attn-backend FLASHINFER --kv-max-tokens 262144 --rejection-sampler ${AL_REJ:-torch}"
   CUDA_VISIBLE_DEVICES=1 timeout ${AL7_S:-300} $AL --temperature 0.7 --limit 40 --max-tokens 128 --json $OUT/eval_al_t07.json > /tmp/al7.log 2>&1 &
   A7=$!
   CUDA_VISIBLE_DEVICES=0 timeout ${AL_S:-300} $AL --temperature 0 --max-tokens 256 --json $OUT/eval_al_t0.json 2>&1 | grep -v "^\[" | tail -3
