@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from ...llmapi.llm_args import DSparkDecodingConfig
 from ..attention_backend.interface import AttentionMetadata
@@ -94,7 +95,7 @@ class DSparkWorker:
         return self.rejection.name == "batched"
 
     def _batched_verify(self, req: LlmRequest) -> bool:
-        return (self.rejection.name == "batched" and not req.sampling_params.greedy
+        return (self.verifies_in_batch and not req.sampling_params.greedy
                 and self.cfg.use_rejection_sampling and req.draft_probs is not None)
 
     def verify_batch(self, items: Sequence[tuple[LlmRequest, torch.Tensor]]) -> dict[int, list[int]]:
@@ -117,19 +118,9 @@ class DSparkWorker:
                         dev).view(len(reqs), k)
         tp_flat = processed_rows(torch.cat([x for _, x in items]),
                                  [p for p, n in zip(params, counts) for _ in range(n + 1)])
-        v = tp_flat.shape[-1]
-        if all(n == k for n in counts):   # the usual step: no padding copies
-            tp = tp_flat.view(len(reqs), k + 1, v)
-            qp = torch.stack([r.draft_probs[:k] for r in reqs]) if k else tp_flat.new_zeros(len(reqs), 0, v)
-        else:
-            tp = tp_flat.new_zeros(len(reqs), k + 1, v)
-            qp = tp_flat.new_zeros(len(reqs), k, v)
-            at = 0
-            for b, (req, n) in enumerate(zip(reqs, counts)):
-                tp[b, :n + 1] = tp_flat[at:at + n + 1]
-                at += n + 1
-                if n:
-                    qp[b, :n] = req.draft_probs[:n]
+        # [B, k+1, V] and [B, k, V], zero-padded past each request's own drafts
+        tp = pad_sequence(list(tp_flat.split([n + 1 for n in counts])), batch_first=True)
+        qp = pad_sequence([r.draft_probs[:n].to(tp.dtype) for r, n in zip(reqs, counts)], batch_first=True)
         rids = [r.request_id for r in reqs]
         accept_keys = self.sampler.stream_keys(rids, params, "verify", dev)
         residual_keys = self.sampler.stream_keys(rids, params, "verify", dev)
