@@ -1,0 +1,171 @@
+"""Where a generation step's time goes on the GPU, DSpark arms next to no-spec, at one batch size.
+
+Per arm (no-spec, then each `--drafter NAME=DIR`), FLASHINFER + CUDA graphs, B MT-Bench prompts
+(chat template, `--ignore-eos`-style fixed length), after a warm-up generate:
+1. host wall time per executor phase (`_build_segments`, `engine.forward`, `_update_requests`,
+   `spec.draft_step`, the rest of `step`), as they fall (no extra syncs: a phase that waits for
+   the device is charged the wait);
+2. GPU kernel time per step from `torch.profiler` over a window of steps (sum of device time of
+   all kernels and copies), so wall - GPU is the host-bound share;
+3. cProfile of the executor thread over the same generate, top functions by own time.
+
+    python examples/gpu/spec_profile.py --model DIR --prompts eval_prompts.json \
+        --drafter gqa=DIR --drafter mla=DIR --batch 64 --max-tokens 256 --out-dir OUT
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import json
+import pstats
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+PHASES = ("_build_segments", "_update_requests")
+
+
+def _wrap_timers(ex, timers: dict) -> None:
+    """Instrument the executor's phases in place (wall seconds, no syncs)."""
+    def timed(obj, name: str, key: str):
+        fn = getattr(obj, name)
+
+        def run(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                timers[key] += time.perf_counter() - t
+                timers["n_" + key] += 1
+        setattr(obj, name, run)
+    for name in PHASES:
+        timed(ex, name, name.strip("_"))
+    timed(ex.engine, "forward", "forward")
+    if ex.spec is not None:
+        timed(ex.spec, "draft_step", "draft_step")
+    timed(ex, "step", "step")
+
+
+def _gpu_ms_per_step(llm, prompts, params, steps_window: int) -> dict:
+    """torch.profiler over one generate: device time of kernels + memcpy per executor step."""
+    from torch.profiler import ProfilerActivity, profile
+    ex = llm._executor
+    it0 = ex.iterations
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params)
+    n = max(ex.iterations - it0, 1)
+    dev_us = 0.0
+    rows = []
+    for e in prof.key_averages():
+        d = getattr(e, "self_device_time_total", None)
+        if d is None:
+            d = getattr(e, "self_cuda_time_total", 0.0)
+        if d > 0:
+            dev_us += d
+            rows.append((d, e.key, e.count))
+    rows.sort(reverse=True)
+    return {"steps": n, "gpu_ms_per_step": dev_us / 1000 / n,
+            "top_device": [{"name": k[:90], "ms_per_step": d / 1000 / n, "calls_per_step": c / n}
+                           for d, k, c in rows[:25]]}
+
+
+def profile_arm(model: str, drafter: str | None, batch: int, max_tokens: int, prompts: list[str],
+                out_dir: Path, name: str, attn_backend: str = "FLASHINFER", graphs: bool = True,
+                kv_max_tokens: int = 262144) -> dict:
+    from tensorrt_llm import LLM, SamplingParams
+    kw = dict(attn_backend=attn_backend, use_cuda_graph=graphs, max_batch_size=batch,
+              kv_cache_config={"max_tokens": kv_max_tokens})
+    if drafter:
+        kw["speculative_config"] = {"decoding_type": "DSpark", "speculative_model": drafter}
+    llm = LLM(model, **kw)
+    ex = llm._executor
+    chat = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts[:batch]]
+    while len(chat) < batch:
+        chat += chat[:batch - len(chat)]
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(chat, SamplingParams(max_tokens=32, ignore_eos=True))   # warm-up, graph capture
+    llm.generate(chat, params)
+
+    # 1. phase timers
+    timers: dict = defaultdict(float)
+    _wrap_timers(ex, timers)
+    t0, it0 = time.perf_counter(), ex.iterations
+    outs = llm.generate(chat, params)
+    wall = time.perf_counter() - t0
+    steps = ex.iterations - it0
+    toks = sum(len(o.outputs[0].token_ids) for o in outs)
+    step_ms = 1000 * timers["step"] / max(timers["n_step"], 1)
+    phases = {k: 1000 * timers[k] / max(timers["n_step"], 1)
+              for k in ("build_segments", "forward", "update_requests", "draft_step")}
+    phases["step_other"] = step_ms - sum(phases.values())
+    res = {"arm": name, "batch": batch, "max_tokens": max_tokens, "wall_s": wall, "steps": steps,
+           "tok_per_s": toks / wall, "ms_per_step": 1000 * wall / max(steps, 1),
+           "step_ms_inside_step": step_ms, "phase_ms_per_step": phases,
+           "tokens_per_step": toks / max(steps, 1)}
+    if ex.spec is not None:
+        g = ex.spec.graph_runner
+        res["draft_graph_replays"] = g.num_replays if g else 0
+        res["draft_eager_fallbacks"] = g.num_eager_fallbacks if g else None
+    # 2. GPU time per step
+    res.update(_gpu_ms_per_step(llm, chat, params, steps))
+    # 3. cProfile of the executor thread
+    prof = cProfile.Profile()
+    step = ex.step
+
+    def profiled_step():
+        prof.enable()
+        try:
+            step()
+        finally:
+            prof.disable()
+    ex.step = profiled_step
+    llm.generate(chat, params)
+    ex.step = step
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    st.sort_stats("tottime").print_stats(45)
+    st.sort_stats("cumulative").print_stats(45)
+    (out_dir / f"cprofile_{name}_b{batch}.txt").write_text(buf.getvalue())
+    llm.shutdown()
+    del llm, ex
+    gc.collect()
+    torch.cuda.empty_cache()
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--prompts", required=True, help="eval_acceptance --export-prompts JSON (mtbench is used)")
+    ap.add_argument("--drafter", action="append", default=[], help="NAME=DIR (repeatable)")
+    ap.add_argument("--batch", type=int, nargs="+", default=[64])
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--no-nospec", action="store_true", help="skip the no-spec arm")
+    ap.add_argument("--out-dir", required=True)
+    ap.add_argument("--attn-backend", default="FLASHINFER", help="AUTO / VANILLA for a CPU smoke run")
+    ap.add_argument("--kv-max-tokens", type=int, default=262144)
+    ap.add_argument("--no-graphs", action="store_true", help="use_cuda_graph=False (CPU smoke run)")
+    a = ap.parse_args()
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = [p["text"] for p in json.loads(Path(a.prompts).read_text())["mtbench"]]
+    arms = ([] if a.no_nospec else [("nospec", None)]) + [tuple(d.split("=", 1)) for d in a.drafter]
+    rows = []
+    for b in a.batch:
+        for name, path in arms:
+            r = profile_arm(a.model, path, b, a.max_tokens, prompts, out, name, a.attn_backend, not a.no_graphs,
+                            a.kv_max_tokens)
+            rows.append(r)
+            ph = r["phase_ms_per_step"]
+            print(f"{name:7s} B={b:3d} {r['tok_per_s']:8.0f} tok/s  {r['ms_per_step']:6.2f} ms/step "
+                  f"(gpu {r['gpu_ms_per_step']:5.2f})  tok/step {r['tokens_per_step']:5.1f}  "
+                  + "  ".join(f"{k} {v:5.2f}" for k, v in ph.items()), flush=True)
+            (out / "spec_profile.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
