@@ -50,7 +50,7 @@ def _wrap_timers(ex, timers: dict) -> None:
     timed(ex, "step", "step")
 
 
-def _gpu_ms_per_step(llm, prompts, params, steps_window: int) -> dict:
+def _gpu_ms_per_step(llm, prompts, params) -> dict:
     """torch.profiler over one generate: device time of kernels + memcpy per executor step."""
     from torch.profiler import ProfilerActivity, profile
     ex = llm._executor
@@ -68,7 +68,7 @@ def _gpu_ms_per_step(llm, prompts, params, steps_window: int) -> dict:
             dev_us += d
             rows.append((d, e.key, e.count))
     rows.sort(reverse=True)
-    return {"steps": n, "gpu_ms_per_step": dev_us / 1000 / n,
+    return {"profiled_steps": n, "gpu_ms_per_step": dev_us / 1000 / n,
             "top_device": [{"name": k[:90], "ms_per_step": d / 1000 / n, "calls_per_step": c / n}
                            for d, k, c in rows[:25]]}
 
@@ -110,8 +110,8 @@ def profile_arm(model: str, drafter: str | None, batch: int, max_tokens: int, pr
         g = ex.spec.graph_runner
         res["draft_graph_replays"] = g.num_replays if g else 0
         res["draft_eager_fallbacks"] = g.num_eager_fallbacks if g else None
-    # 2. GPU time per step
-    res.update(_gpu_ms_per_step(llm, chat, params, steps))
+    # 2. GPU time per step (over another generate of the same requests)
+    res.update(_gpu_ms_per_step(llm, chat, params))
     # 3. cProfile of the executor thread
     prof = cProfile.Profile()
     step = ex.step
