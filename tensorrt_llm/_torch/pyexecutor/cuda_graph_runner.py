@@ -20,8 +20,10 @@ fixed-address wrappers), is captured, then replayed. Anything else runs eagerly.
 
 Host cost per step is kept to a few numpy gathers and one copy: all four inputs are views
 of one device buffer, staged in one pinned host buffer of the same layout and copied with
-one blocking copy (one copy call instead of four; blocking, so the staging buffer is free
-again when it returns and the stream is idle at that point of a step anyway)::
+one non-blocking copy (an event guards the staging buffer until the copy has left it). The
+copy does not wait for the GPU, so a verify step is planned and staged while the previous
+draft step still runs; drafts that are still on the device (`VerifyTokens`) are gathered
+into the input ids behind it on the same stream (`gather_drafts`)::
 
     io: [ input_ids (n) | positions (n) | slot_mapping (n) | block_tables (bucket x max_pages int32) ]
         int64 words, n = bucket * q; the table's int32 rows are packed two per word
@@ -38,7 +40,9 @@ import torch
 
 from ..attention_backend.flashinfer_backend import CUDA_GRAPH_SHAPE_KEY
 from ..attention_backend.interface import BAD_PAGE_INDEX, AttentionBackend, AttentionMetadata
+from ..speculative.pending_drafts import VerifyTokens
 from .resource_manager import KVCacheManager
+from .sampler import host_ints
 from .step_split import graph_candidates
 
 logger = logging.getLogger("tensorrt_llm")
@@ -146,6 +150,28 @@ def _fill_padded(pos: np.ndarray, slot: np.ndarray, starts: np.ndarray, b: int, 
         slot[used:].reshape(bucket - b, q)[:] = scratch_page * page_size + ar
 
 
+def gather_drafts(dst: torch.Tensor, tokens: Sequence[VerifyTokens], rows: Sequence[int]) -> None:
+    """dst [bucket, q] input ids on the device: row rows[n] columns 1.. <- tokens[n]'s drafts, read
+    from their `PendingDrafts` device tensors (one copy per source when the rows are
+    consecutive, else one gather), queued behind the draft step that produced them."""
+    groups: dict[int, tuple[Any, list[int], list[int]]] = {}
+    for j, t in zip(rows, tokens):
+        if len(t) != dst.shape[1]:
+            raise ValueError(f"verify segment of {len(t)} tokens in a graph of {dst.shape[1]}")
+        pend = t.drafts.pending
+        g = groups.setdefault(id(pend), (pend, [], []))
+        g[1].append(j)
+        g[2].append(t.drafts.index)
+    k = dst.shape[1] - 1
+    for pend, js, src in groups.values():
+        n = len(js)
+        if js == list(range(js[0], js[0] + n)) and src == list(range(src[0], src[0] + n)):
+            dst[js[0]:js[0] + n, 1:].copy_(pend.device[src[0]:src[0] + n, :k])
+        else:
+            dev = dst.device
+            dst[:, 1:].index_copy_(0, host_ints(js, dev), pend.device.index_select(0, host_ints(src, dev))[:, :k])
+
+
 class StepPlan(NamedTuple):
     """A graphable step: its bucket, tokens per request, and host-side addressing."""
 
@@ -177,6 +203,7 @@ class _GraphEntry:
     io: torch.Tensor                            # [words] int64 device buffer (layout: module doc)
     host: torch.Tensor                          # [words] int64 CPU staging, pinned on CUDA
     host_views: tuple[np.ndarray, ...]          # numpy views of host: ids, positions, slots, table
+    copied: Optional[torch.cuda.Event] = None   # the last host -> io copy (staging buffer reuse)
     graph: Optional[torch.cuda.CUDAGraph] = None
     logits: Optional[torch.Tensor] = None       # [bucket * q, V] float32 (graph output)
     captured: Optional[torch.Tensor] = None     # [bucket * q, n*H] (graph output) or None
@@ -298,11 +325,24 @@ class CUDAGraphRunner:
         return _GraphEntry(bucket, q, ids, pos, md, io, host, views)
 
     def _load_inputs(self, entry: _GraphEntry, segments, plan: StepPlan) -> None:
-        """Stage the step's padded inputs in entry.host, copy them to entry.io in one copy, prepare."""
+        """Stage the step's padded inputs in entry.host, copy them to entry.io in one copy, prepare.
+        Drafts still on the device (`VerifyTokens`) are gathered into the input ids there."""
         b, q, bucket = len(segments), entry.q, entry.bucket
         p, max_pages = self.kv.tokens_per_block, self.kv.max_blocks_per_seq
+        if entry.copied is not None:
+            entry.copied.synchronize()     # the previous step's copy has left the staging buffer
         ids, pos, slot, table = entry.host_views
-        ids[:b * q] = _flat([s.token_ids for s in segments], b * q, "token_ids")
+        lazy = [j for j, s in enumerate(segments) if isinstance(s.token_ids, VerifyTokens)]
+        if lazy:
+            tok = ids[:b * q].reshape(b, q)
+            for j, s in enumerate(segments):
+                t = s.token_ids
+                if isinstance(t, VerifyTokens):
+                    tok[j, 0], tok[j, 1:] = t.anchor, 0
+                else:
+                    tok[j] = t
+        else:
+            ids[:b * q] = _flat([s.token_ids for s in segments], b * q, "token_ids")
         slot[:b * q] = plan.slots.reshape(-1)
         _fill_padded(pos, slot, plan.starts, b, bucket, q, self.scratch_page, p)
         np.take(self.kv.page_table, plan.rows, axis=0, out=table[:b])
@@ -310,7 +350,12 @@ class CUDAGraphRunner:
             ids[b * q:] = 0
             table[b:] = BAD_PAGE_INDEX
             table[b:, 0] = self.scratch_page
-        entry.io.copy_(entry.host)
+        entry.io.copy_(entry.host, non_blocking=True)
+        if entry.io.is_cuda:
+            entry.copied = torch.cuda.Event()
+            entry.copied.record()
+        if lazy:
+            gather_drafts(entry.input_ids.view(bucket, q), [segments[j].token_ids for j in lazy], lazy)
         md = entry.md
         md.num_cached = plan.starts.tolist() + [0] * (bucket - b)
         md.extras = {CUDA_GRAPH_SHAPE_KEY: (bucket, q, max_pages)}

@@ -5,7 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Optional
+from typing import Optional, Sequence
 
 from ...sampling_params import SamplingParams
 
@@ -38,7 +38,8 @@ class LlmRequest:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
-    draft_tokens: list[int] = field(default_factory=list)   # proposed, awaiting verification
+    # proposed, awaiting verification: a list, or a `DraftRow` still on the device (graph drafts)
+    draft_tokens: Sequence[int] = field(default_factory=list)
     draft_probs: object = None                               # [K, V] drafter probs (T>0)
     context_only: bool = False      # disaggregation: stop after the first token
     num_verify_steps: int = 0       # speculative verify steps of this request

@@ -22,7 +22,7 @@ class ForwardSegment:
     """Tokens of one request for this step, at absolute positions start..start+len-1."""
 
     request_id: int
-    token_ids: list[int]
+    token_ids: Sequence[int]   # a list, or `VerifyTokens` whose drafts are still on the device
     start: int          # == tokens already in the target pages
     num_logits: int     # logits wanted for the last `num_logits` tokens
 

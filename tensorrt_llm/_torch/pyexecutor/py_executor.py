@@ -13,6 +13,7 @@ import time
 import traceback
 from typing import Callable, Optional, Sequence
 
+from ..speculative.pending_drafts import DraftRow, VerifyTokens
 from .llm_request import LlmRequest, RequestState
 from .model_engine import ForwardOutput, ForwardSegment, ModelEngine
 from .resource_manager import KVCacheManager
@@ -145,9 +146,12 @@ class PyExecutor:
         room = self._draft_room(True)
         for req in batch.generation_requests:
             start = req.num_computed
-            toks = [req.token_at(start)]
-            if req.draft_tokens:
-                toks.extend(req.draft_tokens)
+            drafts = req.draft_tokens
+            if isinstance(drafts, DraftRow):   # still on the device: the graph gathers them there
+                toks = VerifyTokens(req.token_at(start), drafts)
+            else:
+                toks = [req.token_at(start)]
+                toks.extend(drafts)
             ensure(req.request_id, start + len(toks) + room)
             segments.append(ForwardSegment(req.request_id, toks, start, len(toks)))
         return batch.context_requests + batch.generation_requests, segments

@@ -44,6 +44,7 @@ from ..attention_backend.interface import BAD_PAGE_INDEX, AttentionMetadata
 from ..pyexecutor.cuda_graph_runner import (batch_buckets, capture_graph, check_graph_support,
                                            pack_graph_inputs)
 from ..pyexecutor.llm_request import LlmRequest, RequestState
+from .pending_drafts import PendingDrafts
 
 logger = logging.getLogger("tensorrt_llm")
 
@@ -152,17 +153,18 @@ class DraftGraphRunner:
     # ---- run -----------------------------------------------------------------------------
     @torch.inference_mode()
     def draft(self, committed: Sequence[tuple[LlmRequest, int, int, int]],
-              captured: torch.Tensor) -> tuple[list[int], list[list[int]]]:
+              captured: torch.Tensor) -> tuple[list[int], Optional[PendingDrafts]]:
         """Replay the graph for the eligible entries of a draft step (context written, block run).
 
         captured: [T, n*H], the step's captured rows. Returns (indices of the replayed entries
-        in committed, their draft ids [G][k_max]); ([], []) when none is eligible.
+        in committed, their draft ids [G, k_max], still on the device); ([], None) when none is
+        eligible.
         """
         rows = captured_row_counts([row0 for _, row0, _, _ in committed], captured.shape[0])
         idx, plan = self.partition(committed, rows)
         if plan is None:
             self.num_eager_fallbacks += 1
-            return [], []
+            return [], None
         if len(idx) < len(committed):
             self.num_split_steps += 1
         q = self.q
@@ -178,9 +180,10 @@ class DraftGraphRunner:
 
     @torch.inference_mode()
     def run(self, committed: Sequence[tuple[LlmRequest, int, int, int]], captured: torch.Tensor,
-            plan: DraftPlan) -> list[list[int]]:
+            plan: DraftPlan) -> PendingDrafts:
         """Replay for a graph group (`partition`): committed[j] has row0 j*q, captured [B*q, n*H].
-        Returns draft ids [B][k_max]."""
+        Returns the draft ids [B, k_max] without waiting for them (a copy of the graph's output;
+        their host copy is under way)."""
         b = len(committed)
         if captured.shape[0] != b * self.q or len(plan.anchors) != b:
             raise ValueError(f"draft graph group of {b} entries: captured has {captured.shape[0]} rows, "
@@ -195,7 +198,7 @@ class DraftGraphRunner:
         entry.graph.replay()
         entry.replays += 1
         self.num_replays += 1
-        return entry.draft_ids[:b].tolist()
+        return PendingDrafts(entry.draft_ids[:b].clone())
 
     def _new_entry(self, bucket: int, width: int, dtype: torch.dtype) -> _DraftEntry:
         q, s, dev = self.q, self.block_size, self.device

@@ -194,12 +194,13 @@ class DSparkWorker:
         if not idx:
             return list(committed)
         group = [committed[i] for i in idx]
-        self._after_context_write(group, kv)
-        for (req, *_), ids in zip(group, drafts):
+        self._after_context_write(group, kv)      # host bookkeeping while the GPU drafts
+        for j, (req, *_) in enumerate(group):
             if req.state == RequestState.GENERATION and not req.is_finished:
                 # all K drafts, also near max_tokens: the verify segment keeps the graph's
-                # shape and `accept` caps what is committed
-                req.draft_tokens, req.draft_probs = ids, None
+                # shape and `accept` caps what is committed; they stay on the device until
+                # the next verify step reads them there (`pending_drafts`)
+                req.draft_tokens, req.draft_probs = drafts.row(j), None
         taken = set(idx)
         return [c for i, c in enumerate(committed) if i not in taken]
 

@@ -152,6 +152,44 @@ def test_runner_host_staging_matches_reference_on_cpu():
     assert runner.plan_step([ForwardSegment(99, [5], 16, 1)]) is None
 
 
+def test_runner_gathers_device_drafts_into_its_inputs_on_cpu():
+    """Verify segments whose drafts are still on the device (`VerifyTokens`), mixed with plain
+    ones and in another order than their draft rows: the staged + gathered input ids equal
+    pack_graph_inputs over the host values."""
+    from tensorrt_llm._torch.attention_backend.flashinfer_backend import FlashInferAttention
+    from tensorrt_llm._torch.pyexecutor.cuda_graph_runner import CUDAGraphRunner
+    from tensorrt_llm._torch.pyexecutor.kv_cache_spec import KVCacheSpec
+    from tensorrt_llm._torch.pyexecutor.model_engine import ForwardSegment
+    from tensorrt_llm._torch.pyexecutor.resource_manager import KVCacheManager
+    from tensorrt_llm._torch.speculative.pending_drafts import PendingDrafts, VerifyTokens
+
+    p, q = 16, 4
+    kv = KVCacheManager([KVCacheSpec("target", "gqa", 1, 2, 1, 4, torch.float32)], 200, p, 96,
+                        torch.device("cpu"))
+    runner = CUDAGraphRunner(None, kv, FlashInferAttention(), [], torch.device("cuda"), 8, token_counts=(1, q))
+    runner.device = torch.device("cpu")
+    for rid in range(5):
+        kv.add_sequence(rid, [1], 96)
+        kv.ensure_capacity(rid, 40)
+    pend = PendingDrafts(torch.randint(0, 500, (5, q - 1)))
+    order = [3, 0, 4, 1]                      # request r takes draft row r
+    segs = [ForwardSegment(r, VerifyTokens(100 + r, pend.row(r)), 10 + r, q) for r in order]
+    segs.insert(2, ForwardSegment(2, [7, 8, 9, 10], 12, q))     # drafts already on the host
+    plan = runner.plan_step(segs)
+    entry = runner._new_entry(plan.bucket, q)
+    with torch.inference_mode():
+        runner._load_inputs(entry, segs, plan)
+    host_ids = [list(s.token_ids) for s in segs]
+    ref = pack_graph_inputs(host_ids, [s.start for s in segs], plan.slots.tolist(),
+                            kv.block_tables([s.request_id for s in segs]), plan.bucket, q,
+                            kv.max_blocks_per_seq, runner.scratch_page, p)
+    assert entry.input_ids.tolist() == ref.input_ids.tolist()
+    assert entry.positions.tolist() == ref.positions.tolist()
+    # negative control: the drafts of the first two segments swapped
+    swapped = [host_ids[1][:1] + host_ids[0][1:], host_ids[0][:1] + host_ids[1][1:]] + host_ids[2:]
+    assert entry.input_ids.tolist()[:len(segs) * q] != [t for row in swapped for t in row]
+
+
 # ---- GPU ---------------------------------------------------------------------------------
 def make_engine(path, backend_name: str, use_graph: bool, max_batch: int = 8, tokens_per_gen: int = 3):
     from tensorrt_llm._torch.attention_backend.resolver import create_backend

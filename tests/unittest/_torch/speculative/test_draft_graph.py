@@ -87,7 +87,8 @@ def test_draft_graph_matches_eager_and_is_lossless(llama64_dir, tmp_path_factory
     orig_run = DraftGraphRunner.run
 
     def shadowed(self, committed, captured, plan):
-        ids = orig_run(self, committed, captured, plan)
+        pending = orig_run(self, committed, captured, plan)
+        ids = pending.rows()          # the host values (waits for the draft step's copy)
         seen["replays"] += 1
         worker = self.shadow_worker
         live = [req for req, *_ in committed if not req.is_finished]
@@ -105,7 +106,7 @@ def test_draft_graph_matches_eager_and_is_lossless(llama64_dir, tmp_path_factory
             e = req.draft_tokens
             seen["total"] += len(e)
             seen["same"] += sum(a == b for a, b in zip(graph[req.request_id], e))
-        return ids
+        return pending
 
     monkeypatch.setattr(DraftGraphRunner, "run", shadowed)
     spec = {"decoding_type": "DSpark", "speculative_model": str(drafter)}

@@ -26,6 +26,7 @@ from tensorrt_llm._torch.pyexecutor.resource_manager import KVCacheManager
 from tensorrt_llm._torch.pyexecutor.sampler import Sampler
 from tensorrt_llm._torch.speculative.draft_graph_runner import DraftGraphRunner, captured_row_counts
 from tensorrt_llm._torch.speculative.dspark_worker import DSparkWorker
+from tensorrt_llm._torch.speculative.pending_drafts import DraftRow, PendingDrafts
 
 P, Q, S = 16, 5, 4          # page, verify rows (K+1; K = 4 drafts with shift_label), block
 
@@ -144,7 +145,8 @@ def _step(tiny_llama_dir, graph: bool, layout: str, swap_rows: bool = False):
             assert [row0 for _, row0, _, _ in group] == [j * Q for j in range(len(group))]
             worker.eager_draft_step(group, group_captured, kv)
             replays.append(len(group))
-            return [list(req.draft_tokens) + [511] * (Q - 1 - len(req.draft_tokens)) for req, *_ in group]
+            return PendingDrafts(torch.tensor([list(req.draft_tokens) + [511] * (Q - 1 - len(req.draft_tokens))
+                                               for req, *_ in group]))
 
         runner.run = eager_replay
         worker.graph_runner = runner
@@ -168,10 +170,12 @@ def test_split_draft_step_equals_eager(tiny_llama_dir, layout):
     _, kv_e, ref = _step(tiny_llama_dir, False, layout)
     _, kv_g, got = _step(tiny_llama_dir, True, layout)
     for (a, *_), (b, *_) in zip(ref, got):
-        assert a.draft_tokens == b.draft_tokens, a.request_id
+        assert list(a.draft_tokens) == list(b.draft_tokens), a.request_id
         assert kv_e.seqs[a.request_id].num_draft_valid_tokens == kv_g.seqs[b.request_id].num_draft_valid_tokens
     live = [req for req, *_ in got if req.state == RequestState.GENERATION]
     assert all(len(req.draft_tokens) == Q - 1 for req in live)
+    # the graph group's drafts stay device-resident rows until read; the eager rest are lists
+    assert sum(isinstance(req.draft_tokens, DraftRow) for req in live) == 3
     assert torch.allclose(_committed_kv(kv_g, got), _committed_kv(kv_e, ref), atol=1e-5)
     # negative control: two graph entries' rows swapped write other context
     _, kv_w, wrong = _step(tiny_llama_dir, True, layout, swap_rows=True)

@@ -98,6 +98,42 @@ def test_oracle_drafts_exercise_acceptance_and_stay_lossless(tiny_llama_dir, dra
     assert sp["request_steps"] < sum(len(t) for t in baseline)
 
 
+@pytest.mark.parametrize("rows", ["own", "rotated"])
+def test_device_resident_drafts_reach_verification(tiny_llama_dir, drafters, baseline, monkeypatch, rows):
+    """Drafts left on the device as `DraftRow`s (what the draft graph leaves) go through segment
+    building, the forward and acceptance like host lists: the oracle's AL is unchanged. Rows
+    rotated between requests (another request's drafts) lower it; output is lossless either way."""
+    from tensorrt_llm._torch.speculative.pending_drafts import DraftRow, PendingDrafts
+    from tensorrt_llm.llmapi.tokenizer import TokenizerWrapper
+    tk = TokenizerWrapper(tiny_llama_dir)
+    truth = {tuple(tk.encode(p)): t for p, t in zip(PROMPTS, baseline)}
+    orig = DSparkWorker._draft_group
+    seen = {"rows": 0}
+
+    def patched(self, reqs, s, kv):
+        orig(self, reqs, s, kv)
+        drafts = []
+        for req in reqs:
+            k = len(req.draft_tokens)
+            fut = truth[tuple(req.prompt_token_ids)][len(req.output_token_ids):][:k]
+            drafts.append((list(fut) + [7] * k)[:k])
+        pend = PendingDrafts(torch.tensor(drafts, dtype=torch.long).view(len(reqs), -1))
+        shift = 1 if rows == "rotated" else 0
+        for j, req in enumerate(reqs):
+            req.draft_tokens = pend.row((j + shift) % len(reqs))
+            seen["rows"] += isinstance(req.draft_tokens, DraftRow)
+    monkeypatch.setattr(DSparkWorker, "_draft_group", patched)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    toks, stats = _run(tiny_llama_dir, PROMPTS, params, speculative_config=_spec(drafters["gqa"]),
+                       max_batch_size=8)
+    assert toks == baseline and seen["rows"] > 0
+    al = stats["speculative"]["acceptance_length"]
+    if rows == "own":
+        assert al > 4.0, al              # the oracle's drafts arrive intact
+    else:
+        assert al < 2.0, al              # negative control: other requests' drafts
+
+
 def test_oracle_stop_inside_accepted_run(tiny_llama_dir, drafters, baseline, monkeypatch):
     """max_tokens lands in the middle of an accepted run: output is cut exactly there."""
     from tensorrt_llm.llmapi.tokenizer import TokenizerWrapper

@@ -1,0 +1,104 @@
+"""Draft ids that stay on the device until the host needs them.
+
+A replayed draft graph leaves its ids [B, K] on the device. The next verify step reads them
+there (`CUDAGraphRunner` gathers them into its input buffer behind the draft graph on the same
+stream), so the draft step does not wait for the drafter to finish: the host plans and stages
+the next target step while the GPU drafts. The host copy is started at once (pinned memory,
+one event) and read when the request is accepted, after the verify step's own sync, when it has
+long landed.
+
+`DraftRow` is one request's drafts: a `Sequence[int]` whose length is known without a sync, so
+scheduling and segment building do not wait; reading a value waits for the copy.
+`VerifyTokens` is a verify segment's tokens, [anchor, d1..dK], in the same way.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Iterator, Optional, Union
+
+import torch
+
+
+class PendingDrafts:
+    """Draft ids [B, K] of one draft step; `device` is a private copy (the graph's output buffer
+    is rewritten by its next replay), `rows()` the host values (waits for the copy once)."""
+
+    def __init__(self, device_ids: torch.Tensor):
+        if device_ids.dim() != 2:
+            raise ValueError(f"draft ids must be [B, K], got shape {tuple(device_ids.shape)}")
+        self.device = device_ids
+        self._event: Optional[torch.cuda.Event] = None
+        if device_ids.is_cuda:
+            self._host = torch.empty(device_ids.shape, dtype=device_ids.dtype, pin_memory=True)
+            self._host.copy_(device_ids, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = device_ids
+        self._rows: Optional[list[list[int]]] = None
+
+    def __len__(self) -> int:
+        return self.device.shape[0]
+
+    def rows(self) -> list[list[int]]:
+        """[B][K] host ints (the first call waits until the copy has landed)."""
+        if self._rows is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._rows = self._host.tolist()
+        return self._rows
+
+    def row(self, i: int, k: Optional[int] = None) -> "DraftRow":
+        """Request i's first k drafts (all K by default)."""
+        return DraftRow(self, i, self.device.shape[1] if k is None else k)
+
+
+class DraftRow(Sequence):
+    """Drafts [k] of row `index` of a `PendingDrafts`; reading values waits for the host copy."""
+
+    __slots__ = ("pending", "index", "k")
+
+    def __init__(self, pending: PendingDrafts, index: int, k: int):
+        if not 0 <= index < len(pending) or not 0 <= k <= pending.device.shape[1]:
+            raise ValueError(f"draft row {index} of {len(pending)}, {k} of "
+                             f"{pending.device.shape[1]} drafts: out of range")
+        self.pending, self.index, self.k = pending, index, k
+
+    def __len__(self) -> int:
+        return self.k
+
+    def tolist(self) -> list[int]:
+        return self.pending.rows()[self.index][:self.k]
+
+    def __getitem__(self, i: Union[int, slice]):
+        return self.tolist()[i]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.tolist())
+
+    def __repr__(self) -> str:
+        return f"DraftRow(row {self.index}, {self.k} drafts)"
+
+
+class VerifyTokens(Sequence):
+    """A verify segment's tokens [anchor, d1..dk] with device-resident drafts."""
+
+    __slots__ = ("anchor", "drafts")
+
+    def __init__(self, anchor: int, drafts: DraftRow):
+        self.anchor, self.drafts = anchor, drafts
+
+    def __len__(self) -> int:
+        return 1 + len(self.drafts)
+
+    def tolist(self) -> list[int]:
+        return [self.anchor] + self.drafts.tolist()
+
+    def __getitem__(self, i: Union[int, slice]):
+        return self.tolist()[i]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.tolist())
+
+    def __repr__(self) -> str:
+        return f"VerifyTokens(anchor {self.anchor}, {self.drafts!r})"
