@@ -83,13 +83,13 @@ class DraftRow(Sequence):
 class VerifyTokens(Sequence):
     """A verify segment's tokens [anchor, d1..dk] with device-resident drafts."""
 
-    __slots__ = ("anchor", "drafts")
+    __slots__ = ("anchor", "drafts", "_n")
 
     def __init__(self, anchor: int, drafts: DraftRow):
-        self.anchor, self.drafts = anchor, drafts
+        self.anchor, self.drafts, self._n = anchor, drafts, 1 + len(drafts)
 
-    def __len__(self) -> int:
-        return 1 + len(self.drafts)
+    def __len__(self) -> int:             # asked many times per step (scheduling, graph planning)
+        return self._n
 
     def tolist(self) -> list[int]:
         return [self.anchor] + self.drafts.tolist()
