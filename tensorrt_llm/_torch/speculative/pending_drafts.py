@@ -53,7 +53,22 @@ class PendingDrafts:
         return DraftRow(self, i, self.device.shape[1] if k is None else k)
 
 
-class DraftRow(Sequence):
+class _HostInts(Sequence):
+    """A Sequence[int] whose values come from `tolist()` (which may wait for a copy)."""
+
+    __slots__ = ()
+
+    def tolist(self) -> list[int]:
+        raise NotImplementedError
+
+    def __getitem__(self, i: Union[int, slice]):
+        return self.tolist()[i]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.tolist())
+
+
+class DraftRow(_HostInts):
     """Drafts [k] of row `index` of a `PendingDrafts`; reading values waits for the host copy."""
 
     __slots__ = ("pending", "index", "k")
@@ -70,17 +85,11 @@ class DraftRow(Sequence):
     def tolist(self) -> list[int]:
         return self.pending.rows()[self.index][:self.k]
 
-    def __getitem__(self, i: Union[int, slice]):
-        return self.tolist()[i]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.tolist())
-
     def __repr__(self) -> str:
         return f"DraftRow(row {self.index}, {self.k} drafts)"
 
 
-class VerifyTokens(Sequence):
+class VerifyTokens(_HostInts):
     """A verify segment's tokens [anchor, d1..dk] with device-resident drafts."""
 
     __slots__ = ("anchor", "drafts", "_n")
@@ -93,12 +102,6 @@ class VerifyTokens(Sequence):
 
     def tolist(self) -> list[int]:
         return [self.anchor] + self.drafts.tolist()
-
-    def __getitem__(self, i: Union[int, slice]):
-        return self.tolist()[i]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.tolist())
 
     def __repr__(self) -> str:
         return f"VerifyTokens(anchor {self.anchor}, {self.drafts!r})"
