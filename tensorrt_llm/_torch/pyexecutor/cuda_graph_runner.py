@@ -334,13 +334,15 @@ class CUDAGraphRunner:
         ids, pos, slot, table = entry.host_views
         lazy = [j for j, s in enumerate(segments) if isinstance(s.token_ids, VerifyTokens)]
         if lazy:
+            # anchors from the host, draft columns zero (gathered on the device below); segments
+            # whose drafts are host lists are written whole
             tok = ids[:b * q].reshape(b, q)
-            for j, s in enumerate(segments):
-                t = s.token_ids
-                if isinstance(t, VerifyTokens):
-                    tok[j, 0], tok[j, 1:] = t.anchor, 0
-                else:
-                    tok[j] = t
+            tok[:, 1:] = 0
+            tok[:, 0] = [s.token_ids[0] if not isinstance(s.token_ids, VerifyTokens) else s.token_ids.anchor
+                         for s in segments]
+            if len(lazy) < b:
+                for j in sorted(set(range(b)) - set(lazy)):
+                    tok[j] = segments[j].token_ids
         else:
             ids[:b * q] = _flat([s.token_ids for s in segments], b * q, "token_ids")
         slot[:b * q] = plan.slots.reshape(-1)
