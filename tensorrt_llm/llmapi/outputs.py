@@ -45,6 +45,11 @@ class GenerationResult:
         self._stream: Optional[queue.Queue] = queue.Queue() if streaming else None
         # streamed snapshots are detokenized incrementally; the final text is one full decode
         self._detok: Optional[IncrementalDetokenizer] = IncrementalDetokenizer(decode) if streaming else None
+        # an asyncio consumer (`async for`, `aresult`, the server): the executor thread hands it
+        # snapshots through loop.call_soon_threadsafe, so no thread waits per request
+        self._lock = threading.Lock()
+        self._aloop: Optional[asyncio.AbstractEventLoop] = None
+        self._aqueue: Optional[asyncio.Queue] = None
 
     @property
     def request_id(self) -> int:
@@ -76,10 +81,35 @@ class GenerationResult:
             m["num_verify_steps"] = req.num_verify_steps
             m["num_accepted_drafts"] = req.num_accepted_drafts
             m["acceptance_length"] = req.acceptance_length
-        if streaming:
-            self._stream.put(self._snapshot())
-        if finished:
-            self._done.set()
+        snap = self._snapshot() if streaming else None
+        with self._lock:
+            if self._aqueue is not None:
+                self._to_loop(snap if streaming else self._out)
+            elif streaming:
+                self._stream.put(snap)
+            if finished:
+                self._done.set()
+
+    def _to_loop(self, item: RequestOutput) -> None:
+        try:
+            self._aloop.call_soon_threadsafe(self._aqueue.put_nowait, item)
+        except RuntimeError:    # the consumer's loop is closed: nobody is left to read it
+            pass
+
+    def _bind_loop(self) -> asyncio.Queue:
+        """The asyncio.Queue of the running loop that receives this handle's snapshots (streaming)
+        or its final output; what arrived before binding is moved into it. One async consumer."""
+        q: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if self._aqueue is not None:
+                raise RuntimeError(f"request {self.request_id} already has an asyncio consumer")
+            if self._stream is not None:
+                while not self._stream.empty():
+                    q.put_nowait(self._stream.get_nowait())
+            elif self._done.is_set():
+                q.put_nowait(self._out)
+            self._aloop, self._aqueue = asyncio.get_running_loop(), q
+        return q
 
     def _text(self, ids: list[int], stopped: bool) -> str:
         text = self._decode(ids)
@@ -101,7 +131,9 @@ class GenerationResult:
         return self._out
 
     async def aresult(self) -> RequestOutput:
-        await asyncio.to_thread(self._done.wait)
+        q = self._bind_loop()
+        while not (await q.get()).finished:
+            pass
         return self._out
 
     def __iter__(self):
@@ -121,8 +153,9 @@ class GenerationResult:
         if self._stream is None:
             yield await self.aresult()
             return
+        q = self._bind_loop()
         while True:
-            snap = await asyncio.to_thread(self._stream.get)
+            snap = await q.get()
             yield snap
             if snap.finished:
                 return
