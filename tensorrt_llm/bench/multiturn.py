@@ -45,6 +45,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from .._torch.runtime.step import StepCommit
 from ..llmapi import LLM, SamplingParams
 from ..llmapi.tokenizer import TokenizerWrapper
 from . import datasets
@@ -120,16 +121,16 @@ def break_draft_reuse(llm: LLM) -> None:
     DSpark worker *instance* only (the BROKEN arm); the target KV is untouched, so outputs
     stay identical while AL should drop. Not an engine feature.
     """
-    spec = llm._executor.spec     # no public handle on the worker: this is a test double
+    spec = llm._executor.drafter     # no public handle on the worker: this is a test double
     if spec is None or not llm._bundle.kv.has_draft_pool:
         raise ValueError("the broken arm needs a drafter (a draft KV pool)")
-    draft_step = spec.draft_step
+    draft = spec.draft
 
-    def draft_step_tail_from_zero(committed, captured, kv):
-        shifted = [(req, row0, start - req.num_cached_prompt if req.num_cached_prompt else start, n)
-                   for req, row0, start, n in committed]
-        return draft_step(shifted, captured, kv)
-    spec.draft_step = draft_step_tail_from_zero
+    def draft_tail_from_zero(commits, captured):
+        shifted = [StepCommit(c.req, c.row0, c.start - c.req.num_cached_prompt if c.req.num_cached_prompt else c.start,
+                              c.count) for c in commits]
+        return draft(shifted, captured)
+    spec.draft = draft_tail_from_zero
 
 
 def _llm(model: str, llm_options: dict, drafter: Optional[str], reuse: bool) -> LLM:

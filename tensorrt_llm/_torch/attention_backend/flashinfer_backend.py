@@ -17,7 +17,7 @@ Plan lifecycle (nothing lives in module globals):
   wrapper exists per distinct (kind, graph shape, causal, heads, head dims, dtype,
   scale) and belongs to this backend instance, so the target and the drafter (separate
   instances) never share plan state.
-* CUDA-graph steps: the graph runner puts ``md.extras[CUDA_GRAPH_SHAPE_KEY] =
+* CUDA-graph steps: the graph runner sets ``md.graph_shape =
   (batch_size, tokens_per_request, max_pages_per_seq)``. Those steps use wrappers with
   fixed-address index buffers (``use_cuda_graph=True``); ``prepare`` re-plans every such
   wrapper already known for that shape (outside the graph, before replay).
@@ -37,8 +37,6 @@ import torch
 from .interface import (AttentionBackend, AttentionMetadata, BackendCapabilities,
                         write_slots)
 
-CUDA_GRAPH_SHAPE_KEY = "cuda_graph_shape"
-"""md.extras key: (batch_size, tokens_per_request, max_pages_per_seq) of a captured graph."""
 
 PAGES_KEY = "flashinfer_pages"
 WORKSPACE_BYTES = 128 * 1024 * 1024
@@ -100,7 +98,7 @@ def build_step_pages(md: AttentionMetadata) -> StepPages:
     flat_t = torch.from_numpy(flat).to(md.block_tables.device, non_blocking=True)
     kv_indices = md.block_tables.reshape(-1)[flat_t].to(torch.int32).contiguous()
     last = kv_lens - (n_pages - 1) * p
-    shape = md.extras.get(CUDA_GRAPH_SHAPE_KEY)
+    shape = md.graph_shape
     # Graph steps own every slot (the runner checks); otherwise look once per step, so the
     # layers' writes need no per-layer host sync.
     valid = shape is not None or not bool((md.slot_mapping < 0).any())

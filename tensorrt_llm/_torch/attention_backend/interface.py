@@ -49,6 +49,9 @@ class AttentionMetadata:
     tokens_per_block: int
     causal: bool = True
     sliding_window: Optional[int] = None  # keys older than this many positions are masked
+    # (batch bucket, tokens per request, max pages per request) of a captured CUDA graph step:
+    # backends plan fixed-address state for it; None for an eager step
+    graph_shape: Optional[tuple[int, int, int]] = None
     extras: dict = field(default_factory=dict)  # backend-owned plan state (e.g. flashinfer)
 
     @property

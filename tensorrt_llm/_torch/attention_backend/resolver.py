@@ -1,9 +1,9 @@
 """AUTO attention-backend resolution from a fixed preference list.
 
 CPU -> VANILLA. CUDA + MLA drafter -> FLASHINFER's absorbed-MLA paged decode, which
-never degrades (a clear error names what is missing). CUDA + GQA -> TRTLLM (sm100+)
--> FLASHINFER -> VANILLA, degrading with a logged reason. An explicit choice that
-cannot run raises; an unknown name raises.
+never degrades (a clear error names what is missing). CUDA + GQA -> FLASHINFER ->
+VANILLA, degrading with a logged reason. An explicit choice that cannot run raises;
+an unknown name raises (listing the known ones).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from .interface import AttentionBackend
 
 logger = logging.getLogger("tensorrt_llm")
 
-KNOWN_BACKENDS = ("VANILLA", "FLASHINFER", "TRTLLM", "CUTEDSL")
+KNOWN_BACKENDS = ("VANILLA", "FLASHINFER")   # every one has a loader in _LOADERS
 
 
 def _load_vanilla() -> type[AttentionBackend]:
@@ -67,12 +67,6 @@ def _why_unavailable(name: str, probe: Probe, mla: bool) -> str:
         if mla and probe.sm < 80:
             return f"flashinfer MLA paged decode needs sm80+, device is sm{probe.sm}"
         return ""
-    if name == "TRTLLM":
-        if probe.sm < 100:
-            return f"TRTLLM (trtllm-gen) kernels need sm100+, device is sm{probe.sm}"
-        return "TRTLLM kernels are not built into this package"
-    if name == "CUTEDSL":
-        return "CUTEDSL kernels are not built into this package"
     raise ValueError(f"unknown attention backend {name!r}; known: AUTO, {', '.join(KNOWN_BACKENDS)}")
 
 
@@ -104,7 +98,7 @@ def resolve_name(requested: str, probe: Probe, mla: bool) -> Resolution:
                              f"decode and never degrades: {why}")
         return Resolution("FLASHINFER", "AUTO: MLA drafter on CUDA -> flashinfer absorbed-MLA paged decode")
     reasons = []
-    for name in ("TRTLLM", "FLASHINFER", "VANILLA"):
+    for name in ("FLASHINFER", "VANILLA"):
         why = _why_unavailable(name, probe, mla=False)
         if not why:
             note = "; ".join(reasons)

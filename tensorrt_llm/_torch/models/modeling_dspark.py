@@ -30,12 +30,11 @@ from ..modules.gated_mlp import GatedMLP
 from ..modules.mla import MLAAttention
 from ..modules.rms_norm import RMSNorm
 from ..modules.rotary_embedding import RotaryEmbedding
-from ..pyexecutor.kv_cache_spec import KVCacheSpec
-from ..speculative.dspark_config import (DSPARK_CONFIG_KEYS, GQA_ARCH, MLA_ARCH, DSparkModelConfig)
+from .dspark_config import DSPARK_CONFIG_KEYS, GQA_ARCH, MLA_ARCH, DraftKVLayout, DSparkModelConfig
 from .checkpoint import load_state_dict_strict, read_config, read_safetensors
 from .modeling_llama import LlamaConfig
 
-OPTIONAL_HEADS = ("markov_head", "confidence_head")
+OPTIONAL_HEADS = ("markov_head",)
 
 
 def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
@@ -92,7 +91,6 @@ class DSparkForCausalLMBase(nn.Module, ABC):
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank) if cfg.markov_rank > 0 else None
-        self.confidence_head = nn.Linear(cfg.hidden_size, 1) if cfg.confidence_head else None
         # Plain tuple attribute: not a submodule, so not in state_dict(), parameters() or .to().
         self._target_refs: Optional[tuple[nn.Embedding, nn.Linear]] = None
 
@@ -107,8 +105,8 @@ class DSparkForCausalLMBase(nn.Module, ABC):
         """features [N, H] -> one [N, heads, head_dim] tensor per pool plane."""
 
     @abstractmethod
-    def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
-        """Layout of the draft KV pool ("draft") at allocation dtype `dtype`."""
+    def kv_cache_layout(self) -> DraftKVLayout:
+        """Layout of the draft KV pool (per layer and token), as the target's `kv_cache_layout`."""
 
     # ---- target binding -----------------------------------------------------------------
     def bind_target(self, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
@@ -249,7 +247,8 @@ class DSparkForCausalLMBase(nn.Module, ABC):
     @classmethod
     def random_init(cls, kind: str, target_config: LlamaConfig, seed: int = 0, absorb: bool = True,
                     **overrides: Any) -> "DSparkForCausalLMBase":
-        """Small random drafter matching `target_config` (tests). Weights ~ N(0, 0.02).
+        """Random drafter matching `target_config`: the init of `trtllm-train-dspark`
+        (`tools/train_dspark.build_drafter`), small by default for tests. Weights ~ N(0, 0.02), norms 1.
 
         kind: "gqa" | "mla"; overrides: config.json keys, dspark_config keys included flat.
         """
@@ -303,10 +302,9 @@ class GQADSparkForCausalLM(DSparkForCausalLMBase):
         k, v = attn.project_kv(features, positions)         # [N, Hkv, D] each
         return [k, v]
 
-    def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
+    def kv_cache_layout(self) -> DraftKVLayout:
         c = self.config
-        return KVCacheSpec(name="draft", kind="gqa", num_layers=c.num_hidden_layers, planes=2,
-                           heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=dtype)
+        return DraftKVLayout("gqa", c.num_hidden_layers, 2, c.num_key_value_heads, c.head_dim)
 
 
 class MLADSparkForCausalLM(DSparkForCausalLMBase):
@@ -328,10 +326,9 @@ class MLADSparkForCausalLM(DSparkForCausalLMBase):
                         positions: torch.Tensor) -> list[torch.Tensor]:
         return [attn.project_latent(features, positions)[:, None, :]]    # [N, 1, R + rope]
 
-    def kv_cache_spec(self, dtype: torch.dtype) -> KVCacheSpec:
+    def kv_cache_layout(self) -> DraftKVLayout:
         c = self.config
-        return KVCacheSpec(name="draft", kind="mla", num_layers=c.num_hidden_layers, planes=1, heads=1,
-                           head_dim=c.kv_lora_rank + c.qk_rope_head_dim, dtype=dtype)
+        return DraftKVLayout("mla", c.num_hidden_layers, 1, 1, c.kv_lora_rank + c.qk_rope_head_dim)
 
 
 DRAFTER_REGISTRY: dict[str, type[DSparkForCausalLMBase]] = {

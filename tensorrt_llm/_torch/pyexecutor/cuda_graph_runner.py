@@ -14,7 +14,7 @@ live in one page the runner holds::
 Per (bucket, q) a `_GraphEntry` owns the persistent inputs: input_ids, positions, and an
 `AttentionMetadata` whose slot_mapping and block_tables are persistent device buffers.
 A step copies its inputs into them, lets the backend plan outside the graph
-(`backend.prepare(md)` with md.extras[CUDA_GRAPH_SHAPE_KEY]) and replays. The first
+(`backend.prepare(md)` with md.graph_shape) and replays. The first
 step of a (bucket, q) runs once eagerly (warm-up: lazy state, and the backend plans its
 fixed-address wrappers), is captured, then replayed. Anything else runs eagerly.
 
@@ -38,11 +38,10 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
-from ..attention_backend.flashinfer_backend import CUDA_GRAPH_SHAPE_KEY
 from ..attention_backend.interface import BAD_PAGE_INDEX, AttentionBackend, AttentionMetadata
-from ..speculative.pending_drafts import VerifyTokens
-from .resource_manager import KVCacheManager
-from .sampler import host_ints
+from ..runtime.token_rows import VerifyTokens
+from .kv_cache.resource_manager import KVCacheManager
+from ..runtime.sampler import host_ints
 from .step_split import graph_candidates
 
 logger = logging.getLogger("tensorrt_llm")
@@ -233,7 +232,7 @@ class CUDAGraphRunner:
         self.capture_layer_ids = list(capture_layer_ids)
         self.buckets = sorted(buckets) if buckets else batch_buckets(max_batch_size)
         # Padding requests write here; the page is held for the runner's lifetime (never hashed).
-        self.scratch_page = kv.pool.allocate()
+        self.scratch_page = kv.scratch_page()
         self._entries: dict[tuple[int, int], _GraphEntry] = {}
         self._pool = None
         self.num_captures = 0
@@ -360,7 +359,7 @@ class CUDAGraphRunner:
             gather_drafts(entry.input_ids.view(bucket, q), [segments[j].token_ids for j in lazy], lazy)
         md = entry.md
         md.num_cached = plan.starts.tolist() + [0] * (bucket - b)
-        md.extras = {CUDA_GRAPH_SHAPE_KEY: (bucket, q, max_pages)}
+        md.graph_shape = (bucket, q, max_pages)
         self.backend.prepare(md)
 
     def _forward(self, entry: _GraphEntry) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -4,52 +4,17 @@ It never decides admission; it only executes what the scheduler chose.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
 from ..attention_backend.interface import AttentionBackend, AttentionMetadata
+from ..runtime.step import ForwardOutput, ForwardSegment
 from .cuda_graph_runner import CUDAGraphRunner
-from .resource_manager import KVCacheManager
+from .kv_cache.resource_manager import KVCacheManager
 from .step_split import cat_rows, stitched_offsets
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-@dataclass
-class ForwardSegment:
-    """Tokens of one request for this step, at absolute positions start..start+len-1."""
-
-    request_id: int
-    token_ids: Sequence[int]   # a list, or `VerifyTokens` whose drafts are still on the device
-    start: int          # == tokens already in the target pages
-    num_logits: int     # logits wanted for the last `num_logits` tokens
-
-
-@dataclass
-class ForwardOutput:
-    """Outputs of one step. Offsets are per segment and need not be monotonic in segment order
-    (a split step puts its eager segments' rows first, then the graph group's; `step_split`)."""
-
-    logits: torch.Tensor                  # [sum(num_logits), V] float32
-    logits_offsets: list[int]             # row offset of each segment's logits
-    captured: Optional[torch.Tensor]      # [T, n*H] captured target hidden (concat), or None
-    token_offsets: list[int]              # first row of each segment's tokens in `captured`
-
-
-def build_metadata(kv: KVCacheManager, request_ids: Sequence[int], starts: Sequence[int],
-                   lengths: Sequence[int], causal: bool, device: torch.device,
-                   slot_lists: Optional[Sequence[list[int]]] = None) -> AttentionMetadata:
-    """Metadata for packed segments; slots beyond a request's owned pages are -1 (skipped)."""
-    slots: list[int] = []
-    for i, (rid, s, n) in enumerate(zip(request_ids, starts, lengths)):
-        slots.extend(slot_lists[i] if slot_lists is not None else kv.slots(rid, s, n))
-    return AttentionMetadata(
-        seq_lens=list(lengths), num_cached=list(starts),
-        block_tables=kv.block_tables(request_ids, device),
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        tokens_per_block=kv.tokens_per_block, causal=causal)
 
 
 class ModelEngine:
@@ -110,8 +75,8 @@ class ModelEngine:
             pos.extend(range(seg.start, seg.start + n))
             rows.extend(range(t + n - seg.num_logits, t + n))
             t += n
-        md = build_metadata(self.kv, [s.request_id for s in segments], [s.start for s in segments],
-                            [len(s.token_ids) for s in segments], True, self.device)
+        md = self.kv.attention_metadata([s.request_id for s in segments], [s.start for s in segments],
+                                        [len(s.token_ids) for s in segments], True)
         self.backend.prepare(md)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)

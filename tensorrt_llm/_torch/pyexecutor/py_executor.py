@@ -1,8 +1,12 @@
-"""PyExecutor: the loop `scheduler.schedule()` -> `model_engine.forward()` -> sample/verify -> update.
+"""PyExecutor: the loop `scheduler.schedule()` -> `model_engine.forward()` -> choose / verify ->
+update + `kv.commit` -> `drafter.draft()`.
 
-Runs in a background thread (`start()`), or step by step (`step()`) for tests. A
-request that fails (bad input found late, an exception in its own post-processing) is
-finished with an error; the loop keeps serving the others.
+Runs in a background thread (`start()`), or step by step (`step()`) for tests. Speculation is
+reached only through `speculative.interface.Drafter`. Fault isolation: an error that belongs to
+one request (admission, its verify rows, its draft step, its post-processing) finishes that
+request alone with the error; a non-device error in a step's forward fails that step's
+requests; a device fault (CUDA error, out of memory) fails every in-flight request, and every
+later call raises at once.
 """
 from __future__ import annotations
 
@@ -13,11 +17,14 @@ import time
 import traceback
 from typing import Callable, Optional, Sequence
 
-from ..speculative.pending_drafts import DraftRow, VerifyTokens
-from .llm_request import LlmRequest, RequestState
-from .model_engine import ForwardOutput, ForwardSegment, ModelEngine
-from .resource_manager import KVCacheManager
-from .sampler import Sampler
+import torch
+
+from ..runtime.llm_request import LlmRequest, RequestState
+from ..runtime.sampler import Sampler
+from ..runtime.step import ForwardOutput, ForwardSegment, StepCommit
+from ..speculative.interface import Drafter
+from .kv_cache.resource_manager import KVCacheManager
+from .model_engine import ModelEngine
 from .scheduler import ScheduledBatch, Scheduler
 
 logger = logging.getLogger("tensorrt_llm")
@@ -27,10 +34,12 @@ UpdateCallback = Callable[[LlmRequest, list[int]], None]
 
 class PyExecutor:
     def __init__(self, engine: ModelEngine, scheduler: Scheduler, sampler: Sampler, kv: KVCacheManager,
-                 decode: Callable[[Sequence[int]], str], spec_worker=None):
+                 decode: Callable[[Sequence[int]], str], drafter: Optional[Drafter] = None):
         self.engine, self.scheduler, self.sampler, self.kv = engine, scheduler, sampler, kv
         self.decode = decode
-        self.spec = spec_worker
+        self.drafter = drafter
+        self._abort_ids: set[int] = set()
+        self._abort_lock = threading.Lock()
         # each item is one group of requests that reaches the scheduler in one drain
         self._incoming: "queue.Queue[list[tuple[LlmRequest, UpdateCallback]]]" = queue.Queue()
         self._callbacks: dict[int, UpdateCallback] = {}
@@ -106,7 +115,11 @@ class PyExecutor:
 
     # ---- one iteration -----------------------------------------------------------------
     def step(self) -> None:
+        """schedule -> forward -> choose / verify -> append + kv.commit -> drafter.draft."""
+        self._apply_aborts()
         batch = self.scheduler.schedule()
+        for req in batch.failed:                 # refused at admission: that request alone
+            self._deliver(req, [])
         if batch.empty:
             if self.scheduler.waiting and not self.scheduler.running:
                 req = self.scheduler.waiting.popleft()
@@ -120,14 +133,21 @@ class PyExecutor:
         self._final_notices = []
         try:
             reqs, segments = self._build_segments(batch)
-            out = self.engine.forward(segments)
-            committed = self._update_requests(reqs, segments, len(batch.context_requests), out)
-            if self.spec is not None:
-                self.spec.draft_step(committed, out.captured, self.kv)
-            for req in self.scheduler.remove_finished():
-                self.sampler.release(req.request_id)
-                if self.spec is not None:
-                    self.spec.release(req)
+            num_ctx = len(batch.context_requests)
+            try:
+                out = self.engine.forward(segments)
+            except Exception as e:   # not a device fault: fail this step's requests, keep serving
+                if _is_fatal(e):
+                    raise
+                for req in reqs:
+                    self._fail(req, e)
+                self._retire_finished()
+                return
+            chosen, verified = self._choose_tokens(reqs, segments, num_ctx, out)
+            commits = self._update_requests(reqs, segments, num_ctx, out, chosen, verified)
+            if self.drafter is not None and out.captured is not None and commits:
+                self._isolated(lambda cs: self.drafter.draft(cs, out.captured), commits, lambda c: c.req)
+            self._retire_finished()
         finally:
             notices, self._final_notices = self._final_notices, None
             for req, tokens in notices:
@@ -137,86 +157,171 @@ class PyExecutor:
         """Requests of the step (prompt chunks first) and their forward segments; owns their pages."""
         segments: list[ForwardSegment] = []
         ensure = self.kv.ensure_capacity
+        room = self.drafter.lookahead_tokens if self.drafter is not None else 0
         for req, n in zip(batch.context_requests, batch.context_chunks):
             start = req.num_computed
             finishes = start + n >= req.prompt_len
-            ensure(req.request_id, start + n + self._draft_room(finishes))
+            ensure(req.request_id, start + n + (room if finishes else 0))
             segments.append(ForwardSegment(req.request_id, req.prompt_token_ids[start:start + n],
                                            start, 1 if finishes else 0))
-        room = self._draft_room(True)
         for req in batch.generation_requests:
             start = req.num_computed
-            drafts = req.draft_tokens
-            if isinstance(drafts, DraftRow):   # still on the device: the graph gathers them there
-                toks = VerifyTokens(req.token_at(start), drafts)
-            else:
-                toks = [req.token_at(start)]
-                toks.extend(drafts)
+            toks = self.drafter.verify_tokens(req) if self.drafter is not None else [req.token_at(start)]
             ensure(req.request_id, start + len(toks) + room)
             segments.append(ForwardSegment(req.request_id, toks, start, len(toks)))
         return batch.context_requests + batch.generation_requests, segments
 
-    def _update_requests(self, reqs: list[LlmRequest], segments: list[ForwardSegment], num_ctx: int,
-                         out: ForwardOutput) -> list[tuple[LlmRequest, int, int, int]]:
-        """Sample / verify, append, stop, notify and publish blocks; returns what the drafter
-        needs, (req, row0, start, n) per request (empty without a drafter)."""
-        spec, kv = self.spec, self.kv
-        # One device->host sync for every token choice of the step: the argmax of every row, with
-        # the rows of sampling requests (prompt ends, and plain decode steps) overwritten by draws.
+    def _choose_tokens(self, reqs: list[LlmRequest], segments: list[ForwardSegment], num_ctx: int,
+                       out: ForwardOutput) -> tuple[list[int], dict[int, list[int]]]:
+        """Every token choice of the step with ONE device->host copy: (chosen id per logits row:
+        the argmax, or a draw for sampling requests; {request id: verify row} of the drafter's
+        requests, without padding)."""
+        drafter = self.drafter
         rows = [(out.logits_offsets[i], req) for i, (req, seg) in enumerate(zip(reqs, segments))
-                if not req.sampling_params.greedy and (i < num_ctx and seg.num_logits or i >= num_ctx and spec is None)]
-        row_ids = self.sampler.choose(out.logits, [r for r, _ in rows], [q.request_id for _, q in rows],
-                                         [q.sampling_params for _, q in rows]).tolist() if out.logits.shape[0] else []
+                if not req.sampling_params.greedy and seg.num_logits and (i < num_ctx or drafter is None)]
+        ids = self.sampler.choose(out.logits, [r for r, _ in rows], [q.request_id for _, q in rows],
+                                  [q.sampling_params for _, q in rows]) if out.logits.shape[0] else None
+        gen = list(range(num_ctx, len(reqs))) if drafter is not None else []
+        ver, k1 = None, 0
+        if gen:
+            ver = self._isolated_verify([reqs[i] for i in gen], out, [out.logits_offsets[i] for i in gen],
+                                        [segments[i].num_logits for i in gen])
+            k1 = ver.shape[1] if ver is not None else 0
+        n = ids.shape[0] if ids is not None else 0
+        parts = [t.reshape(-1) for t in (ids, ver) if t is not None]
+        host = torch.cat(parts).tolist() if parts else []
         verified: dict[int, list[int]] = {}
-        if spec is not None and spec.verifies_in_batch and len(reqs) > num_ctx:
-            # the "batched" rejection sampler verifies every sampling request of the step at once;
-            # if that fails, each request is verified alone below (so only a bad one fails)
+        if ver is not None:
+            live = [reqs[i] for i in gen if not reqs[i].is_finished]
+            for j, req in enumerate(live):
+                row = host[n + j * k1:n + (j + 1) * k1]
+                verified[req.request_id] = row[:row.index(-1)] if -1 in row else row
+        return host[:n], verified
+
+    def _isolated_verify(self, reqs: list[LlmRequest], out: ForwardOutput, offsets: list[int],
+                         counts: list[int]) -> Optional[torch.Tensor]:
+        """drafter.verify over the step; if it fails, each request alone, failing only those that do.
+        Returns the rows of the requests still live, in order (None when none is)."""
+        try:
+            return self.drafter.verify(reqs, out.logits, offsets, counts)
+        except Exception as e:
+            if _is_fatal(e) or len(reqs) == 1:
+                if _is_fatal(e):
+                    raise
+                self._fail(reqs[0], e)
+                return None
+        rows = []
+        for req, o, c in zip(reqs, offsets, counts):
             try:
-                verified = spec.verify_batch([
-                    (req, out.logits[out.logits_offsets[i]:out.logits_offsets[i] + seg.num_logits])
-                    for i, (req, seg) in enumerate(zip(reqs, segments)) if i >= num_ctx])
+                rows.append(self.drafter.verify([req], out.logits, [o], [c]))
             except Exception as e:
-                logger.warning("batched verification failed (%s: %s); verifying one request at a time",
-                               type(e).__name__, e)
-        committed: list[tuple[LlmRequest, int, int, int]] = []
-        publish = spec is None and kv.pool.enable_reuse   # with a drafter, draft_step commits
+                if _is_fatal(e):
+                    raise
+                self._fail(req, e)
+        if not rows:
+            return None
+        k1 = max(r.shape[1] for r in rows)
+        return torch.cat([torch.nn.functional.pad(r, (0, k1 - r.shape[1]), value=-1) for r in rows])
+
+    def _isolated(self, fn: Callable[[list], None], items: list, owner: Callable[[object], LlmRequest]) -> None:
+        """fn(items); if it fails (not fatally), fn([item]) for each, failing the owners that fail."""
+        try:
+            fn(items)
+            return
+        except Exception as e:
+            if _is_fatal(e):
+                raise
+            if len(items) == 1:
+                self._fail(owner(items[0]), e)
+                return
+        for item in items:
+            try:
+                fn([item])
+            except Exception as e:
+                if _is_fatal(e):
+                    raise
+                self._fail(owner(item), e)
+
+    def _update_requests(self, reqs: list[LlmRequest], segments: list[ForwardSegment], num_ctx: int,
+                         out: ForwardOutput, chosen: list[int], verified: dict[int, list[int]]
+                         ) -> list[StepCommit]:
+        """Append the chosen / verified tokens, apply stop criteria, notify, record committed tokens
+        with the KV manager; returns what the drafter needs (empty without a drafter)."""
+        drafter, kv = self.drafter, self.kv
+        commits: list[StepCommit] = []
         for i, (req, seg) in enumerate(zip(reqs, segments)):
+            if req.is_finished:          # failed earlier in this step (its verify)
+                continue
             lo = out.logits_offsets[i]
             try:
                 if i < num_ctx:
                     req.num_computed += len(seg.token_ids)
-                    if spec is not None:
-                        committed.append((req, out.token_offsets[i], seg.start, len(seg.token_ids)))
+                    if drafter is not None:
+                        commits.append(StepCommit(req, out.token_offsets[i], seg.start, len(seg.token_ids)))
                     if seg.num_logits:
-                        tok = row_ids[lo]
                         req.state = RequestState.GENERATION
                         if req.first_token_time is None:
                             req.first_token_time = time.perf_counter()
-                        self._append(req, [tok])
-                elif spec is None:
+                        self._append(req, [chosen[lo]])
+                elif drafter is None:
                     req.num_computed += 1
-                    self._append(req, [row_ids[lo]])
+                    self._append(req, [chosen[lo]])
                 else:
-                    n = seg.num_logits
-                    new = spec.accept(req, out.logits[lo:lo + n], row_ids[lo:lo + n],
-                                      verified.get(req.request_id))
+                    new = drafter.accept(req, verified[req.request_id])
                     req.num_computed += len(new)
-                    committed.append((req, out.token_offsets[i], seg.start, len(new)))
+                    commits.append(StepCommit(req, out.token_offsets[i], seg.start, len(new)))
                     self._append(req, new)
                 if i >= num_ctx and req.state is RequestState.FINISHED:
                     # a stop drops the token(s) after it (only a finished request drops any)
                     req.num_computed = min(req.num_computed, req.num_tokens)
-                if publish and kv.wants_commit(req.request_id, req.num_computed):
+                if kv.wants_commit(req.request_id, req.num_computed):
                     kv.commit(req.request_id, req.all_token_ids, req.num_computed)
             except Exception as e:
-                req.error = f"{type(e).__name__}: {e}"
-                logger.error("request %d failed: %s", req.request_id, req.error)
-                req.finish("error")
-                self._notify(req, [])
-        return committed
+                if _is_fatal(e):
+                    raise
+                self._fail(req, e)
+        return commits
 
-    def _draft_room(self, generating: bool) -> int:
-        return self.spec.lookahead_tokens if (self.spec is not None and generating) else 0
+    def _fail(self, req: LlmRequest, e: Exception) -> None:
+        """Finish one request with an error (its pages are freed at the end of the step)."""
+        req.error = f"{type(e).__name__}: {e}"
+        logger.error("request %d failed: %s", req.request_id, req.error)
+        req.finish("error")
+        self._notify(req, [])
+
+    # ---- abort ---------------------------------------------------------------------------
+    def abort(self, request_id: int) -> None:
+        """Abort a request (thread-safe): honoured at the next step; it finishes with
+        finish_reason "aborted", keeps the tokens it has, and its KV pages are freed."""
+        with self._abort_lock:
+            self._abort_ids.add(request_id)
+        self._wake.set()
+
+    def _apply_aborts(self) -> None:
+        if not self._abort_ids:
+            return
+        self._drain_incoming()
+        with self._abort_lock:
+            ids, self._abort_ids = self._abort_ids, set()
+        for req in list(self.scheduler.waiting):
+            if req.request_id in ids:
+                self.scheduler.abort_waiting(req)
+                req.finish("aborted")
+                self._deliver(req, [])
+        for req in self.scheduler.running:
+            if req.request_id in ids and not req.is_finished:
+                req.finish("aborted")
+        for req in self._retire_finished():
+            self._deliver(req, [])
+
+    def _retire_finished(self) -> list[LlmRequest]:
+        """Free the KV and per-request state of the finished running requests; returns them."""
+        done = self.scheduler.remove_finished()
+        for req in done:
+            self.sampler.release(req.request_id)
+            if self.drafter is not None:
+                self.drafter.release(req)
+        return done
 
     def _append(self, req: LlmRequest, tokens: list[int]) -> None:
         """Append newly committed tokens, applying stop criteria in order."""
@@ -234,9 +339,6 @@ class PyExecutor:
                 break
             if p.stop and self._hit_stop_string(req):     # p.stop set <=> stop_strings non-empty
                 req.finish("stop")
-                break
-            if req.context_only:
-                req.finish("context_done")
                 break
         self._notify(req, emitted)
 
@@ -258,3 +360,9 @@ class PyExecutor:
             cb(req, new_tokens)
         if req.is_finished:
             self._callbacks.pop(req.request_id, None)
+
+
+def _is_fatal(e: Exception) -> bool:
+    """An error that leaves the device in an unknown state (every in-flight request fails)."""
+    return isinstance(e, (torch.cuda.OutOfMemoryError, MemoryError)) or "CUDA error" in str(e) \
+        or type(e).__name__ == "AcceleratorError"

@@ -13,32 +13,15 @@ from ...llmapi.llm_args import TorchLlmArgs
 from ...llmapi.tokenizer import TokenizerWrapper
 from ..attention_backend.resolver import create_backend
 from ..models import load_target_model
-from .kv_cache_spec import KVCacheSpec, kv_dtype_from_name, split_budget
+from .kv_cache.kv_cache_spec import KVCacheSpec, kv_dtype_from_name, split_budget
+from ..runtime.device import resolve_device, resolve_dtype
 from .model_engine import ModelEngine
 from .py_executor import PyExecutor
-from .resource_manager import KVCacheManager
-from .sampler import Sampler
+from .kv_cache.resource_manager import KVCacheManager
+from ..runtime.sampler import Sampler
 from .scheduler import Scheduler
 
 logger = logging.getLogger("tensorrt_llm")
-
-_MODEL_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def resolve_device(name: Optional[str]) -> torch.device:
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but CUDA is not available")
-    return dev
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _MODEL_DTYPES[name]
-
 
 @dataclass
 class ExecutorBundle:
@@ -78,7 +61,7 @@ def create_py_executor(args: TorchLlmArgs, tokenizer: TokenizerWrapper) -> Execu
     salt = f"target:{Path(args.model).resolve()}"
     if args.speculative_config is not None:
         from ..speculative.dspark_worker import create_dspark_worker
-        spec_worker = create_dspark_worker(args.speculative_config, model, dtype, device, max_seq_len)
+        spec_worker = create_dspark_worker(args.speculative_config, model, dtype, device)
         specs.append(spec_worker.kv_cache_spec)
         salt += f"|draft:{spec_worker.identity}"
         drafter_report = spec_worker.describe()
@@ -87,16 +70,17 @@ def create_py_executor(args: TorchLlmArgs, tokenizer: TokenizerWrapper) -> Execu
         num_pages = -(-kvc.max_tokens // p)
     else:
         num_pages = split_budget(_budget_bytes(args, device), specs, p)
-    kv = KVCacheManager(specs, num_pages, p, max_seq_len, device,
-                        enable_block_reuse=kvc.enable_block_reuse,
-                        cache_salt=hashlib.sha256(salt.encode()).hexdigest()[:16])
-    capture = spec_worker.capture_layer_ids if spec_worker else ()
     lookahead = spec_worker.lookahead_tokens if spec_worker else 0
     tokens_per_gen = 1 + (spec_worker.max_draft_len if spec_worker else 0)
+    spec_slack = lookahead + tokens_per_gen if spec_worker else 0
+    kv = KVCacheManager(specs, num_pages, p, max_seq_len, device,
+                        enable_block_reuse=kvc.enable_block_reuse,
+                        cache_salt=hashlib.sha256(salt.encode()).hexdigest()[:16], seq_slack_tokens=spec_slack)
+    capture = spec_worker.capture_layer_ids if spec_worker else ()
     engine = ModelEngine(model, kv, backend, device, capture, use_cuda_graph=args.use_cuda_graph,
                          max_batch_size=args.max_batch_size, tokens_per_gen=tokens_per_gen)
     sched = Scheduler(kv, args.max_batch_size, max(args.max_num_tokens, tokens_per_gen),
-                      args.enable_chunked_prefill, tokens_per_gen, spec_slack=lookahead + tokens_per_gen,
+                      args.enable_chunked_prefill, tokens_per_gen, spec_slack=spec_slack,
                       batch_wait_timeout_iters=args.batch_wait_timeout_iters,
                       batch_wait_max_tokens_ratio=args.batch_wait_max_tokens_ratio,
                       batch_admit_min_slots=args.batch_admit_min_slots)

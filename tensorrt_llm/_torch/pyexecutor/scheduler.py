@@ -30,8 +30,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .llm_request import LlmRequest, RequestState
-from .resource_manager import KVCacheManager
+from ..runtime.llm_request import LlmRequest, RequestState
+from .kv_cache.resource_manager import KVCacheManager
 
 
 @dataclass
@@ -41,6 +41,7 @@ class ScheduledBatch:
     context_requests: list[LlmRequest] = field(default_factory=list)
     context_chunks: list[int] = field(default_factory=list)     # tokens of each prompt this step
     generation_requests: list[LlmRequest] = field(default_factory=list)
+    failed: list[LlmRequest] = field(default_factory=list)       # refused at admission (finished, error set)
 
     @property
     def empty(self) -> bool:
@@ -122,7 +123,7 @@ class Scheduler:
         self._held_iters = 0
         return False
 
-    def _admit(self, hold: bool, generating: bool) -> None:
+    def _admit(self, hold: bool, generating: bool, failed: list[LlmRequest]) -> None:
         released = self._released
         if generating and self.batch_admit_min_slots > 1 and self.waiting:
             need = min(self.batch_admit_min_slots, len(self.waiting), self.max_batch_size)
@@ -137,7 +138,13 @@ class Scheduler:
                 break
             self.waiting.popleft()
             released.discard(req.request_id)
-            cached = self.kv.add_sequence(req.request_id, req.prompt_token_ids, reserve)
+            try:
+                cached = self.kv.add_sequence(req.request_id, req.prompt_token_ids, reserve)
+            except ValueError as e:        # this request can never be served: refuse it alone
+                req.error = f"ValueError: {e}"
+                req.finish("error")
+                failed.append(req)
+                continue
             req.num_computed = req.num_cached_prompt = cached
             req.state = RequestState.CONTEXT
             self.running.append(req)
@@ -148,8 +155,8 @@ class Scheduler:
         hold = False
         if self.batch_wait_timeout_iters:
             hold = self._update_batch_wait(bool(gens), len(gens) < len(self.running))
-        self._admit(hold, bool(gens))
         batch = ScheduledBatch()
+        self._admit(hold, bool(gens), batch.failed)
         budget = self.max_num_tokens
         # each generation request costs tokens_per_gen_step; the first that fit, in order
         take = min(len(gens), budget // self.tokens_per_gen_step)

@@ -13,7 +13,7 @@ in the same replay and every later step rewrites them before they are read; only
 positions are ever marked written or published. Padding requests write into a scratch page
 the runner holds. Persistent inputs live in `_DraftEntry`; the block's metadata is an
 `AttentionMetadata` with persistent slot_mapping / block_tables that the backend plans
-outside the graph (`prepare` with CUDA_GRAPH_SHAPE_KEY) before each replay.
+outside the graph (`prepare` with md.graph_shape set) before each replay.
 
 Split steps: a committed entry is eligible when its request is in GENERATION (or finished),
 greedy (or finished), its captured segment has exactly q rows, it commits 1..q tokens and
@@ -39,12 +39,12 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from ..attention_backend.flashinfer_backend import CUDA_GRAPH_SHAPE_KEY
 from ..attention_backend.interface import BAD_PAGE_INDEX, AttentionMetadata
 from ..pyexecutor.cuda_graph_runner import (batch_buckets, capture_graph, check_graph_support,
                                            pack_graph_inputs)
-from ..pyexecutor.llm_request import LlmRequest, RequestState
-from .pending_drafts import PendingDrafts
+from ..runtime.llm_request import RequestState
+from ..runtime.step import StepCommit
+from ..runtime.token_rows import PendingDrafts
 
 logger = logging.getLogger("tensorrt_llm")
 
@@ -109,7 +109,7 @@ class DraftGraphRunner:
         self.k_max = num_drafts
         self.mask_token_id = cfg.mask_token_id
         self.buckets = sorted(buckets) if buckets else batch_buckets(max_batch_size)
-        self.scratch_page = kv.pool.allocate()
+        self.scratch_page = kv.scratch_page()
         self._entries: dict[int, _DraftEntry] = {}
         self._pool = None
         self.num_captures = 0
@@ -118,7 +118,7 @@ class DraftGraphRunner:
         self.num_split_steps = 0         # draft steps whose graph group replayed next to an eager rest
 
     # ---- eligibility ---------------------------------------------------------------------
-    def partition(self, committed: Sequence[tuple[LlmRequest, int, int, int]],
+    def partition(self, committed: Sequence[StepCommit],
                   rows: Sequence[int]) -> tuple[list[int], Optional[DraftPlan]]:
         """(indices of the entries that can replay, in order; their `DraftPlan`), ([], None) when
         none can. rows[i]: captured rows of committed[i]'s segment.
@@ -127,14 +127,14 @@ class DraftGraphRunner:
         come from one `slots_batch` call each (no per-token Python).
         """
         q, s = self.q, self.block_size
-        cand = [i for i, ((req, _, _, n), r) in enumerate(zip(committed, rows))
-                if r == q and 1 <= n <= q and (req.is_finished or (req.state == RequestState.GENERATION
-                                                                   and req.sampling_params.greedy))]
+        cand = [i for i, (c, r) in enumerate(zip(committed, rows))
+                if r == q and 1 <= c.count <= q and (c.req.is_finished or (c.req.state == RequestState.GENERATION
+                                                                           and c.req.sampling_params.greedy))]
         if not cand:
             return [], None
-        rids = [committed[i][0].request_id for i in cand]
-        starts = np.fromiter((committed[i][2] for i in cand), dtype=np.int64, count=len(cand))
-        new_ctx = starts + np.fromiter((committed[i][3] for i in cand), dtype=np.int64, count=len(cand))
+        rids = [committed[i].req.request_id for i in cand]
+        starts = np.fromiter((committed[i].start for i in cand), dtype=np.int64, count=len(cand))
+        new_ctx = starts + np.fromiter((committed[i].count for i in cand), dtype=np.int64, count=len(cand))
         table_rows = self.kv.rows(rids)
         ctx = self.kv.slots_batch(rids, starts, q, rows=table_rows)
         blk = self.kv.slots_batch(rids, new_ctx, s, rows=table_rows)
@@ -144,7 +144,7 @@ class DraftGraphRunner:
         idx = [cand[k] for k in ok.tolist()]
         anchors = []
         for i, c in zip(idx, new_ctx[ok].tolist()):
-            req = committed[i][0]
+            req = committed[i].req
             anchors.append(req.token_at(c) if not req.is_finished and c < req.num_tokens
                            else self.mask_token_id)
         bucket = next(x for x in self.buckets if x >= len(idx))
@@ -152,7 +152,7 @@ class DraftGraphRunner:
 
     # ---- run -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def draft(self, committed: Sequence[tuple[LlmRequest, int, int, int]],
+    def draft(self, committed: Sequence[StepCommit],
               captured: torch.Tensor) -> tuple[list[int], Optional[PendingDrafts]]:
         """Replay the graph for the eligible entries of a draft step (context written, block run).
 
@@ -160,7 +160,7 @@ class DraftGraphRunner:
         in committed, their draft ids [G, k_max], still on the device); ([], None) when none is
         eligible.
         """
-        rows = captured_row_counts([row0 for _, row0, _, _ in committed], captured.shape[0])
+        rows = captured_row_counts([c.row0 for c in committed], captured.shape[0])
         idx, plan = self.partition(committed, rows)
         if plan is None:
             self.num_eager_fallbacks += 1
@@ -168,18 +168,18 @@ class DraftGraphRunner:
         if len(idx) < len(committed):
             self.num_split_steps += 1
         q = self.q
-        row0s = [committed[i][1] for i in idx]
+        row0s = [committed[i].row0 for i in idx]
         base, b = row0s[0], len(idx)
         if row0s == list(range(base, base + b * q, q)):
             group_captured = captured[base:base + b * q]
         else:
             sel = (torch.tensor(row0s, dtype=torch.long).view(-1, 1) + torch.arange(q)).view(-1)
             group_captured = captured.index_select(0, sel.to(captured.device))
-        group = [(req, j * q, start, n) for j, (req, _, start, n) in enumerate(committed[i] for i in idx)]
+        group = [StepCommit(c.req, j * q, c.start, c.count) for j, c in enumerate(committed[i] for i in idx)]
         return idx, self.run(group, group_captured, plan)
 
     @torch.inference_mode()
-    def run(self, committed: Sequence[tuple[LlmRequest, int, int, int]], captured: torch.Tensor,
+    def run(self, committed: Sequence[StepCommit], captured: torch.Tensor,
             plan: DraftPlan) -> PendingDrafts:
         """Replay for a graph group (`partition`): committed[j] has row0 j*q, captured [B*q, n*H].
         Returns the draft ids [B, k_max] without waiting for them (a copy of the graph's output;
@@ -214,12 +214,12 @@ class DraftGraphRunner:
                            torch.zeros(bucket * s, **i64), torch.zeros(bucket * s, **i64),
                            torch.zeros(bucket, **i64), md)
 
-    def _load_inputs(self, entry: _DraftEntry, committed, captured: torch.Tensor, plan: DraftPlan) -> None:
+    def _load_inputs(self, entry: _DraftEntry, committed: Sequence[StepCommit], captured: torch.Tensor, plan: DraftPlan) -> None:
         q, s, b = self.q, self.block_size, len(committed)
         p, width, scratch = self.kv.tokens_per_block, self.kv.max_blocks_per_seq, self.scratch_page
-        rids = [req.request_id for req, *_ in committed]
+        rids = [c.req.request_id for c in committed]
         tables = self.kv.block_tables(rids, torch.device("cpu"))
-        ctx = pack_graph_inputs([[0] * q] * b, [start for _, _, start, _ in committed], plan.ctx_slots,
+        ctx = pack_graph_inputs([[0] * q] * b, [c.start for c in committed], plan.ctx_slots,
                                 tables, entry.bucket, q, width, scratch, p)
         blk = pack_graph_inputs([[a] + [self.mask_token_id] * (s - 1) for a in plan.anchors], plan.new_ctx,
                                 plan.blk_slots, tables, entry.bucket, s, width, scratch, p)
@@ -233,7 +233,7 @@ class DraftGraphRunner:
         md.slot_mapping.copy_(blk.slot_mapping)
         md.block_tables.copy_(blk.block_tables)
         md.num_cached = blk.num_cached
-        md.extras = {CUDA_GRAPH_SHAPE_KEY: (entry.bucket, s, width)}
+        md.graph_shape = (entry.bucket, s, width)
         self.backend.prepare(md)
 
     def _forward(self, entry: _DraftEntry) -> torch.Tensor:

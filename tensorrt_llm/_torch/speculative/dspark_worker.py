@@ -20,28 +20,34 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 from ...llmapi.llm_args import DSparkDecodingConfig
-from ..attention_backend.interface import AttentionMetadata
-from ..attention_backend.resolver import create_backend
-from ..pyexecutor.llm_request import LlmRequest, RequestState
-from ..pyexecutor.model_engine import build_metadata
-from ..pyexecutor.sampler import Sampler, host_ints, processed_probs, processed_rows
+from ..attention_backend.interface import AttentionBackend, AttentionMetadata
+from ..attention_backend.resolver import Resolution, create_backend
+from ..models.dspark_config import DraftKVLayout
+from ..pyexecutor.kv_cache.kv_cache_spec import KVCacheSpec
+from ..pyexecutor.kv_cache.resource_manager import KVCacheManager
+from ..runtime.llm_request import LlmRequest, RequestState
+from ..runtime.sampler import Sampler, host_ints, processed_rows
+from ..runtime.step import StepCommit
+from ..runtime.token_rows import DraftRow, VerifyTokens
 from .accept_stats import AcceptStats
-from .batched_rejection import batched_rejection_accept
-from .spec_sampling import RejectionSamplerName, resolve_rejection_sampler, run_rejection_accept
-from .verification import greedy_accept, greedy_accept_ids
+from .interface import Drafter
+from .rejection_sampler import RejectionSampler, SpecDecodeMetadata, stack_verify_rows
 
 logger = logging.getLogger("tensorrt_llm")
 
 
-class DSparkWorker:
-    def __init__(self, cfg: DSparkDecodingConfig, drafter: torch.nn.Module, backend, resolution,
-                 device: torch.device, dtype: torch.dtype, identity: str, *,
-                 rejection_sampler: Optional[RejectionSamplerName] = None):
-        """rejection_sampler: "torch" / "flashinfer" / "batched" for T>0 verification; None picks flashinfer
-        on CUDA when it imports, else torch (see `spec_sampling.resolve_rejection_sampler`)."""
+def draft_kv_cache_spec(drafter: torch.nn.Module, dtype: torch.dtype) -> KVCacheSpec:
+    """The draft pool ("draft") of a DSpark drafter at allocation dtype `dtype`."""
+    lay: DraftKVLayout = drafter.kv_cache_layout()
+    return KVCacheSpec(name="draft", kind=lay.kind, num_layers=lay.num_layers, planes=lay.planes,
+                       heads=lay.heads, head_dim=lay.head_dim, dtype=dtype)
+
+
+class DSparkWorker(Drafter):
+    def __init__(self, cfg: DSparkDecodingConfig, drafter: torch.nn.Module, backend: AttentionBackend,
+                 resolution: Resolution, device: torch.device, dtype: torch.dtype, identity: str):
         dc = drafter.config
         if cfg.max_draft_len is not None and cfg.max_draft_len > dc.num_drafts:
             raise ValueError(f"max_draft_len {cfg.max_draft_len} exceeds the drafter's trained "
@@ -52,23 +58,39 @@ class DSparkWorker:
         self.resolution = resolution
         self.device = device
         self.identity = identity
-        self.rejection = resolve_rejection_sampler(device, rejection_sampler)
-        logger.info("DSpark rejection sampling: %s (%s)", self.rejection.name, self.rejection.reason)
         self.block_size = dc.block_size
-        self.max_draft_len = cfg.max_draft_len or dc.num_drafts
+        self._max_draft_len = cfg.max_draft_len or dc.num_drafts
         self.mask_token_id = dc.mask_token_id
-        self.capture_layer_ids = list(dc.target_layer_ids)
-        self.kv_cache_spec = drafter.kv_cache_spec(dtype)
-        self.lookahead_tokens = self.block_size   # block slots beyond the committed tokens
-        self.stats_ = AcceptStats(self.max_draft_len)
+        self._capture_layer_ids = list(dc.target_layer_ids)
+        self._kv_cache_spec = draft_kv_cache_spec(drafter, dtype)
+        self.stats_ = AcceptStats(self._max_draft_len)
         self._warned: set[int] = set()
-        self.kv = None
+        self.kv: Optional[KVCacheManager] = None
         self.sampler: Optional[Sampler] = None
+        self.rejection: Optional[RejectionSampler] = None
         self.kv_caches: list[torch.Tensor] = []
         self.graph_runner = None
 
-    def bind(self, kv, sampler: Sampler) -> None:
+    # ---- Drafter properties --------------------------------------------------------------
+    @property
+    def max_draft_len(self) -> int:
+        return self._max_draft_len
+
+    @property
+    def lookahead_tokens(self) -> int:
+        return self.block_size      # block slots beyond the committed tokens
+
+    @property
+    def capture_layer_ids(self) -> Sequence[int]:
+        return self._capture_layer_ids
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return self._kv_cache_spec
+
+    def bind(self, kv: KVCacheManager, sampler: Sampler) -> None:
         self.kv, self.sampler = kv, sampler
+        self.rejection = RejectionSampler(sampler)
         self.kv_caches = kv.layer_caches("draft")
 
     def enable_cuda_graphs(self, max_batch_size: int) -> None:
@@ -85,157 +107,123 @@ class DSparkWorker:
         return {"architecture": dc.architecture, "block_size": dc.block_size,
                 "max_draft_len": self.max_draft_len, "target_layer_ids": list(dc.target_layer_ids),
                 "kv_bytes_per_token": self.kv_cache_spec.bytes_per_token,
-                "rejection_sampler": {"name": self.rejection.name, "reason": self.rejection.reason},
                 "attention_backend": {"name": self.resolution.name, "reason": self.resolution.reason}}
 
     # ---- verification ------------------------------------------------------------------
-    @property
-    def verifies_in_batch(self) -> bool:
-        """True when sampling requests are verified per step (`verify_batch`), not per request."""
-        return self.rejection.name == "batched"
+    def verify_tokens(self, req: LlmRequest) -> Sequence[int]:
+        anchor = req.token_at(req.num_computed)
+        drafts = req.draft_tokens
+        if isinstance(drafts, DraftRow):   # still on the device: the graph gathers them there
+            return VerifyTokens(anchor, drafts)
+        return [anchor, *drafts]
 
-    def _batched_verify(self, req: LlmRequest) -> bool:
-        return (self.verifies_in_batch and not req.sampling_params.greedy
-                and self.cfg.use_rejection_sampling and req.draft_probs is not None)
+    def verify(self, reqs: Sequence[LlmRequest], logits: torch.Tensor, offsets: Sequence[int],
+               counts: Sequence[int]) -> torch.Tensor:
+        for r, c in zip(reqs, counts):
+            if c != len(r.draft_tokens) + 1:
+                raise ValueError(f"request {r.request_id}: {c} target rows for {len(r.draft_tokens)} "
+                                 "drafts (want drafts + 1)")
+        rows = stack_verify_rows(logits, offsets, counts)              # [B, K+1, V]
+        meta = SpecDecodeMetadata(
+            request_ids=[r.request_id for r in reqs], params=[r.sampling_params for r in reqs],
+            draft_token_ids=self._draft_ids(reqs, rows.shape[1] - 1, logits.device),
+            num_draft_tokens=host_ints([c - 1 for c in counts], logits.device), target_logits=rows,
+            draft_probs=[r.draft_probs for r in reqs] if any(r.draft_probs is not None for r in reqs) else None)
+        return self.rejection.forward(meta)
 
-    def verify_batch(self, items: Sequence[tuple[LlmRequest, torch.Tensor]]) -> dict[int, list[int]]:
-        """The "batched" rejection sampler over a step: items (request, rows [K_b+1, V] target
-        logits) -> {request id: committed tokens, before accept()'s max_tokens cap} for the
-        sampling requests among them (empty with another sampler). One device-to-host copy."""
-        items = [(r, x) for r, x in items if self._batched_verify(r)]
-        if not items:
-            return {}
-        reqs = [r for r, _ in items]
-        params = [r.sampling_params for r in reqs]
-        counts = [len(r.draft_tokens) for r in reqs]
-        for r, x in items:
-            if x.shape[0] != len(r.draft_tokens) + 1:
-                raise ValueError(f"request {r.request_id}: {x.shape[0]} target rows for "
-                                 f"{len(r.draft_tokens)} drafts (want drafts + 1)")
-        k, dev = max(counts), items[0][1].device
-        # drafts padded to k, sent from pinned memory (no wait on the device queue)
-        ids = host_ints([t for r in reqs for t in list(r.draft_tokens) + [0] * (k - len(r.draft_tokens))],
-                        dev).view(len(reqs), k)
-        tp_flat = processed_rows(torch.cat([x for _, x in items]),
-                                 [p for p, n in zip(params, counts) for _ in range(n + 1)])
-        # [B, k+1, V] and [B, k, V], zero-padded past each request's own drafts
-        tp = pad_sequence(list(tp_flat.split([n + 1 for n in counts])), batch_first=True)
-        qp = pad_sequence([r.draft_probs[:n].to(tp.dtype) for r, n in zip(reqs, counts)], batch_first=True)
-        rids = [r.request_id for r in reqs]
-        accept_keys = self.sampler.stream_keys(rids, params, "verify", dev)
-        residual_keys = self.sampler.stream_keys(rids, params, "verify", dev)
-        accepted, token = batched_rejection_accept(ids, host_ints(counts, dev), qp, tp, accept_keys, residual_keys)
-        host = torch.stack([accepted, token], 1).tolist()
-        return {r.request_id: list(r.draft_tokens[:n]) + [t] for r, (n, t) in zip(reqs, host)}
+    @staticmethod
+    def _draft_ids(reqs: Sequence[LlmRequest], k: int, device: torch.device) -> torch.Tensor:
+        """[B, k] int64 draft ids on `device` (zero past a request's own drafts): gathered there when
+        they are device rows of one draft step, else sent from the host."""
+        drafts = [r.draft_tokens for r in reqs]
+        if k and all(isinstance(d, DraftRow) and d.pending is drafts[0].pending and len(d) == k for d in drafts):
+            pend = drafts[0].pending
+            idx = [d.index for d in drafts]
+            if idx == list(range(idx[0], idx[0] + len(idx))):
+                return pend.device[idx[0]:idx[0] + len(idx), :k]
+            return pend.device.index_select(0, host_ints(idx, device))[:, :k]
+        flat = [t for d in drafts for t in list(d) + [0] * (k - len(d))]
+        return host_ints(flat, device).view(len(reqs), k)
 
-    def accept(self, req: LlmRequest, rows: torch.Tensor, greedy_ids: Optional[list[int]] = None,
-               verified: Optional[list[int]] = None) -> list[int]:
-        """rows [K+1, V] target logits for [anchor, d1..dK] -> committed tokens (at most the
-        max_tokens - len(output) the request may still emit, at least 1).
-
-        greedy_ids: the rows' argmax already on the host (saves a device sync per request).
-        verified: this request's entry of `verify_batch` for the step (else a sampling request
-        under the "batched" sampler is verified here, alone, with the same result).
-        """
-        drafts = list(req.draft_tokens)
-        p = req.sampling_params
-        if p.greedy:
-            out = greedy_accept_ids(drafts, greedy_ids) if greedy_ids is not None else greedy_accept(drafts, rows)
-        elif verified is not None or self._batched_verify(req):
-            out = verified if verified is not None else self.verify_batch([(req, rows)])[req.request_id]
-        else:
-            tp = processed_probs(rows, p)
-            gen = self.sampler.generator(req.request_id, p)
-            if self.cfg.use_rejection_sampling and req.draft_probs is not None:
-                out = run_rejection_accept(self.rejection.name, drafts, req.draft_probs, tp, gen)
-            else:  # sample the target at each position; accept while it equals the draft
-                out = []
-                for i in range(len(drafts) + 1):
-                    tok = int(torch.multinomial(tp[i], 1, generator=gen).item())
-                    out.append(tok)
-                    if i == len(drafts) or tok != drafts[i]:
-                        break
+    def accept(self, req: LlmRequest, verified: Sequence[int]) -> list[int]:
         # A greedy request keeps all K drafts near max_tokens (so its verify segment keeps the
-        # graph's shape): commit at most what it may still emit, and count only the drafts it
-        # could have used, which is what truncating them to `cap` would have recorded.
-        cap = max(1, p.max_tokens - len(req.output_token_ids))
-        usable = min(len(drafts), cap)
-        accepted = min(len(out) - 1, usable)
+        # graph's shape): commit at most what it may still emit, and count only the drafts whose
+        # acceptance could have been committed (cap - 1: the last committed slot is the target's).
+        drafts = req.draft_tokens
+        cap = max(1, req.sampling_params.max_tokens - len(req.output_token_ids))
+        usable = min(len(drafts), cap - 1)
+        accepted = min(len(verified) - 1, usable)
         self.stats_.record(accepted, usable)
         req.num_verify_steps += 1
         req.num_accepted_drafts += accepted
         req.draft_tokens, req.draft_probs = [], None
-        return out[:cap]
+        return list(verified[:cap])
 
     # ---- drafting ----------------------------------------------------------------------
     @torch.inference_mode()
-    def draft_step(self, committed: Sequence[tuple[LlmRequest, int, int, int]],
-                   captured: Optional[torch.Tensor], kv) -> None:
-        """Write draft context for newly committed tokens, then draft for generating requests.
+    def draft(self, commits: Sequence[StepCommit], captured: Optional[torch.Tensor]) -> None:
+        """Write draft context for the committed tokens, then draft for generating requests.
 
-        committed: (request, first captured row, absolute start position, count).
         captured: [T, n*H] target hidden states of this step's packed tokens.
         """
-        if captured is None or not committed:
+        if captured is None or not commits:
             return
-        rest = self._graph_draft_step(committed, captured, kv) if self.graph_runner is not None else committed
+        rest = self._graph_draft(commits, captured) if self.graph_runner is not None else list(commits)
         if rest:
-            self.eager_draft_step(rest, captured, kv)
+            self._eager_draft(rest, captured)
 
-    def _graph_draft_step(self, committed: Sequence[tuple[LlmRequest, int, int, int]],
-                          captured: torch.Tensor, kv) -> list[tuple[LlmRequest, int, int, int]]:
-        """Replay the draft graph for the eligible entries; returns the entries left for eager."""
+    def _graph_draft(self, commits: Sequence[StepCommit], captured: torch.Tensor) -> list[StepCommit]:
+        """Replay the draft graph for the eligible commits; returns the commits left for eager."""
         try:
-            idx, drafts = self.graph_runner.draft(committed, captured)
+            idx, drafts = self.graph_runner.draft(commits, captured)
         except RuntimeError as e:   # a capture the runtime refuses: serve eagerly from now on
             logger.error("draft CUDA graph failed (%s); drafting eagerly from now on", e)
             self.graph_runner = None
-            return list(committed)
+            return list(commits)
         if not idx:
-            return list(committed)
-        group = [committed[i] for i in idx]
-        self._after_context_write(group, kv)      # host bookkeeping while the GPU drafts
-        for j, (req, *_) in enumerate(group):
+            return list(commits)
+        group = [commits[i] for i in idx]
+        self._mark_written(group)      # host bookkeeping while the GPU drafts
+        for j, c in enumerate(group):
+            req = c.req
             if req.state == RequestState.GENERATION and not req.is_finished:
                 # all K drafts, also near max_tokens: the verify segment keeps the graph's
                 # shape and `accept` caps what is committed; they stay on the device until
-                # the next verify step reads them there (`pending_drafts`)
+                # the next verify step reads them there (`runtime.token_rows`)
                 req.draft_tokens, req.draft_probs = drafts.row(j), None
         taken = set(idx)
-        return [c for i, c in enumerate(committed) if i not in taken]
+        return [c for i, c in enumerate(commits) if i not in taken]
 
-    def eager_draft_step(self, committed: Sequence[tuple[LlmRequest, int, int, int]],
-                         captured: torch.Tensor, kv) -> None:
-        """`draft_step` without CUDA graphs: any mix of context chunks, clamps and sampling."""
+    def _eager_draft(self, commits: Sequence[StepCommit], captured: torch.Tensor) -> None:
+        """The draft step without CUDA graphs: any mix of context chunks, clamps and sampling."""
+        kv = self.kv
         rows, pos, slots = [], [], []
-        for req, row0, start, n in committed:
-            s = kv.slots(req.request_id, start, n)
+        for c in commits:
+            s = kv.slots(c.req.request_id, c.start, c.count)
             if -1 in s:
-                self._warn(req, f"draft context write beyond owned pages at {start}..{start + n - 1}")
+                self._warn(c.req, f"draft context write beyond owned pages at {c.start}..{c.start + c.count - 1}")
                 self.stats_.skipped_writes += s.count(-1)
-            rows.extend(range(row0, row0 + n))
-            pos.extend(range(start, start + n))
+            rows.extend(range(c.row0, c.row0 + c.count))
+            pos.extend(range(c.start, c.start + c.count))
             slots.extend(s)
-        feats = self.drafter.context_features(captured[torch.tensor(rows, device=captured.device)])
-        self.drafter.write_context(feats, torch.tensor(pos, device=self.device),
-                                   torch.tensor(slots, dtype=torch.long, device=self.device),
-                                   self.kv_caches, self.backend)
-        self._after_context_write(committed, kv)
-        gen = [req for req, *_ in committed
-               if req.state == RequestState.GENERATION and not req.is_finished]
+        if rows:
+            feats = self.drafter.context_features(captured[torch.tensor(rows, device=captured.device)])
+            self.drafter.write_context(feats, torch.tensor(pos, device=self.device),
+                                       torch.tensor(slots, dtype=torch.long, device=self.device),
+                                       self.kv_caches, self.backend)
+        self._mark_written(commits)
+        gen = [c.req for c in commits if c.req.state == RequestState.GENERATION and not c.req.is_finished]
         if gen:
-            self._draft(gen, kv)
+            self._draft(gen)
 
-    @staticmethod
-    def _after_context_write(committed: Sequence[tuple[LlmRequest, int, int, int]], kv) -> None:
-        """Mark the committed positions' draft KV written; publish blocks that became complete."""
-        for req, _, start, n in committed:
-            owned = kv.owned_tokens(req.request_id)
-            kv.mark_draft_written(req.request_id, min(start + n, owned))
-            if kv.wants_commit(req.request_id, req.num_computed):
-                kv.commit(req.request_id, req.all_token_ids, req.num_computed)
+    def _mark_written(self, commits: Sequence[StepCommit]) -> None:
+        """The committed positions' draft KV is written (the manager publishes what waited for it)."""
+        kv = self.kv
+        for c in commits:
+            kv.mark_draft_written(c.req.request_id, c.start + c.count)
 
-    def _draft(self, reqs: list[LlmRequest], kv) -> None:
+    def _draft(self, reqs: list[LlmRequest]) -> None:
+        kv = self.kv
         groups: dict[int, list[LlmRequest]] = defaultdict(list)
         for req in reqs:
             ctx = req.num_computed
@@ -248,9 +236,10 @@ class DSparkWorker:
                 continue
             groups[s].append(req)
         for s, group in groups.items():
-            self._draft_group(group, s, kv)
+            self._draft_group(group, s)
 
-    def _draft_group(self, reqs: list[LlmRequest], s: int, kv) -> None:
+    def _draft_group(self, reqs: list[LlmRequest], s: int) -> None:
+        kv = self.kv
         ids, pos, starts = [], [], []
         for req in reqs:
             ctx = req.num_computed
@@ -258,7 +247,7 @@ class DSparkWorker:
             pos.extend(range(ctx, ctx + s))
             starts.append(ctx)
         rids = [r.request_id for r in reqs]
-        md: AttentionMetadata = build_metadata(kv, rids, starts, [s] * len(reqs), False, self.device)
+        md: AttentionMetadata = kv.attention_metadata(rids, starts, [s] * len(reqs), False)
         md.validate(kv.num_pages)
         self.backend.prepare(md)
         hidden = self.drafter.forward_block(torch.tensor(ids, device=self.device),
@@ -312,6 +301,9 @@ class DSparkWorker:
         self._warned.discard(req.request_id)
 
     # ---- stats -------------------------------------------------------------------------
+    def reset_stats(self) -> None:
+        self.stats_ = AcceptStats(self.max_draft_len)
+
     def stats(self) -> dict:
         d = self.stats_.as_dict()
         d["attention_backend"] = self.resolution.name
@@ -326,7 +318,7 @@ class DSparkWorker:
 
 
 def create_dspark_worker(cfg: DSparkDecodingConfig, target: torch.nn.Module, dtype: torch.dtype,
-                         device: torch.device, max_seq_len: int) -> DSparkWorker:
+                         device: torch.device) -> DSparkWorker:
     """Load the drafter (validated against the target), resolve its backend, build the worker."""
     from ..models.modeling_dspark import load_drafter
     overrides = {}
@@ -345,5 +337,4 @@ def create_dspark_worker(cfg: DSparkDecodingConfig, target: torch.nn.Module, dty
     h = hashlib.sha256(str(Path(cfg.speculative_model).resolve()).encode())
     for f in sorted(Path(cfg.speculative_model).glob("*.safetensors")):
         h.update(str(f.stat().st_size).encode() + str(f.stat().st_mtime_ns).encode())
-    rejection = None if cfg.rejection_sampler == "auto" else cfg.rejection_sampler
-    return DSparkWorker(cfg, drafter, backend, res, device, dtype, h.hexdigest()[:16], rejection_sampler=rejection)
+    return DSparkWorker(cfg, drafter, backend, res, device, dtype, h.hexdigest()[:16])

@@ -6,25 +6,40 @@ A drafter folder holds an HF-style config.json plus a `dspark_config` block::
      "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 2,
      "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 64, ...,
      "dspark_config": {"block_size": 8, "mask_token_id": 0, "target_layer_ids": [1, 14, 27],
-                       "num_target_hidden": 576, "markov_rank": 0, "shift_label": true,
-                       "confidence_head": false}}
+                       "num_target_hidden": 576, "markov_rank": 0, "shift_label": true}}
 
 Unknown top-level keys are ignored (HF configs carry many); unknown `dspark_config`
-keys are rejected (they are ours, so an unknown one is a typo).
+keys are rejected (they are ours, so an unknown one is a typo). A retired key still loads
+at its retired value (older checkpoints carry it) and raises at any other.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..models.checkpoint import require
+from .checkpoint import require
+
+
+@dataclass(frozen=True)
+class DraftKVLayout:
+    """The drafter's KV per layer and token: GQA stores K and V planes of `heads` x `head_dim`;
+    MLA one plane of one 576-wide latent (kv_lora_rank + rope dim)."""
+
+    kind: str           # "gqa" | "mla"
+    num_layers: int
+    planes: int         # 2 (K, V) or 1 (latent)
+    heads: int
+    head_dim: int
 
 GQA_ARCH = "GQADSparkForCausalLM"
 MLA_ARCH = "MLADSparkForCausalLM"
 DSPARK_ARCHITECTURES = (GQA_ARCH, MLA_ARCH)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 DSPARK_CONFIG_KEYS = ("block_size", "mask_token_id", "target_layer_ids", "num_target_hidden",
-                "markov_rank", "shift_label", "confidence_head")
+                "markov_rank", "shift_label")
+# Older checkpoints carry `confidence_head` (a head that was saved but never read): it loads
+# when false, and raises when true rather than silently dropping trained weights.
+RETIRED_DSPARK_CONFIG_KEYS = ("confidence_head",)
 
 
 def _optional(cfg: dict[str, Any], key: str, source: str, kind: type, default: Any) -> Any:
@@ -74,7 +89,6 @@ class DSparkModelConfig:
     num_target_hidden: int
     markov_rank: int
     shift_label: bool
-    confidence_head: bool
 
     @property
     def is_mla(self) -> bool:
@@ -148,9 +162,12 @@ class DSparkModelConfig:
 
         dsrc = f"{source}: dspark_config"
         ds = require(cfg, "dspark_config", source, dict)
-        unknown = sorted(set(ds) - set(DSPARK_CONFIG_KEYS))
+        unknown = sorted(set(ds) - set(DSPARK_CONFIG_KEYS) - set(RETIRED_DSPARK_CONFIG_KEYS))
         if unknown:
             raise ValueError(f"{dsrc}: unknown keys {unknown}; known: {list(DSPARK_CONFIG_KEYS)}")
+        if _optional(ds, "confidence_head", dsrc, bool, False):
+            raise ValueError(f"{dsrc}: key 'confidence_head' is true, but the confidence head was removed "
+                             "(no code read it); only checkpoints with it false or absent load")
         block_size = require(ds, "block_size", dsrc)
         shift_label = _optional(ds, "shift_label", dsrc, bool, True)
         markov_rank = _optional(ds, "markov_rank", dsrc, int, 0)
@@ -182,7 +199,6 @@ class DSparkModelConfig:
             target_layer_ids=_int_list(ds, "target_layer_ids", dsrc),
             num_target_hidden=require(ds, "num_target_hidden", dsrc),
             markov_rank=markov_rank, shift_label=shift_label,
-            confidence_head=_optional(ds, "confidence_head", dsrc, bool, False),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -208,6 +224,6 @@ class DSparkModelConfig:
             "block_size": self.block_size, "mask_token_id": self.mask_token_id,
             "target_layer_ids": list(self.target_layer_ids),
             "num_target_hidden": self.num_target_hidden, "markov_rank": self.markov_rank,
-            "shift_label": self.shift_label, "confidence_head": self.confidence_head,
+            "shift_label": self.shift_label,
         }
         return out

@@ -8,7 +8,7 @@ until the allocator needs them again, so a later request can hit them.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 
@@ -36,7 +36,6 @@ class PoolStats:
     lookup_tokens: int = 0            # prompt tokens of admitted requests
     reused_tokens: int = 0            # of those, served from cache (target KV)
     draft_reused_tokens: int = 0      # of those, with the drafter's context KV reused too
-    extra: dict = field(default_factory=dict)
 
 
 class BlockPool:

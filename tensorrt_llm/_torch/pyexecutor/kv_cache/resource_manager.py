@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from ..attention_backend.interface import BAD_PAGE_INDEX
+from ...attention_backend.interface import BAD_PAGE_INDEX, AttentionMetadata
 from .block_pool import BlockPool, chain_hash
 from .kv_cache_spec import KVCacheSpec
 
@@ -39,6 +39,8 @@ class SequenceBlocks:
     num_hashed_blocks: int = 0
     last_hash: Optional[int] = None
     num_draft_valid_tokens: int = 0
+    committed_tokens: Sequence[int] = ()              # verified tokens (prompt + output) at the last commit
+    num_committed: int = 0
 
 
 class KVCacheManager:
@@ -46,7 +48,9 @@ class KVCacheManager:
 
     def __init__(self, specs: Sequence[KVCacheSpec], num_pages: int, tokens_per_block: int,
                  max_seq_len: int, device: torch.device, enable_block_reuse: bool = False,
-                 cache_salt: str = ""):
+                 cache_salt: str = "", seq_slack_tokens: int = 0):
+        """seq_slack_tokens: KV slots a request may use past max_seq_len (speculative lookahead:
+        a verify segment and a draft block beyond its last committed token)."""
         names = [s.name for s in specs]
         if len(set(names)) != len(names) or "target" not in names:
             raise ValueError(f"KV specs need unique names including 'target', got {names}")
@@ -54,7 +58,8 @@ class KVCacheManager:
         self.tokens_per_block = tokens_per_block
         self.num_pages = num_pages
         self.max_seq_len = max_seq_len
-        self.max_blocks_per_seq = -(-max_seq_len // tokens_per_block)
+        self.max_tokens_per_seq = max_seq_len + seq_slack_tokens
+        self.max_blocks_per_seq = -(-self.max_tokens_per_seq // tokens_per_block)
         self.device = device
         self.pool = BlockPool(num_pages, enable_block_reuse)
         self.cache_salt = cache_salt
@@ -68,6 +73,7 @@ class KVCacheManager:
         self._table = np.full((8, self.max_blocks_per_seq), BAD_PAGE_INDEX, dtype=np.int32)
         self._num_pages = np.zeros(8, dtype=np.int64)
         self._free_rows = list(range(7, -1, -1))
+        self._scratch_page: Optional[int] = None
 
     # ---- pools -------------------------------------------------------------------------
     def layer_caches(self, name: str) -> list[torch.Tensor]:
@@ -127,8 +133,10 @@ class KVCacheManager:
         """Register a request, reusing cached prefix pages. Returns the number of cached tokens."""
         if req_id in self.seqs:
             raise ValueError(f"request {req_id} already has KV pages")
-        if reserve_tokens > self.max_seq_len + self.tokens_per_block * 2:
-            raise ValueError(f"request {req_id} reserves {reserve_tokens} tokens > max_seq_len")
+        if reserve_tokens > self.max_tokens_per_seq:
+            raise ValueError(f"request {req_id} reserves {reserve_tokens} tokens > {self.max_tokens_per_seq} "
+                             f"(max_seq_len {self.max_seq_len} + {self.max_tokens_per_seq - self.max_seq_len} "
+                             "lookahead slots)")
         hits = self.match_prefix(token_ids)
         for bid in hits:
             self.pool.touch(bid)
@@ -261,21 +269,33 @@ class KVCacheManager:
         return self.pool.enable_reuse and (seq.num_hashed_blocks + 1) * self.tokens_per_block <= num_committed
 
     def commit(self, req_id: int, token_ids: Sequence[int], num_committed: int) -> None:
-        """Publish full blocks whose tokens are committed (verified and in the target KV).
-
-        With a draft pool a block is published only once its draft context is written too
-        (see `mark_draft_written`), so a shared block always carries both pools' KV.
-        """
+        """Record committed tokens (verified and in the target KV) and publish the full blocks they
+        complete. With a draft pool a block is held back until its draft context is written too
+        (`mark_draft_written` publishes it then), so a shared block always carries both pools' KV."""
         seq = self.seqs[req_id]
-        p = self.tokens_per_block
         # A stop inside an accepted draft run leaves num_committed past the returned tokens:
         # never publish a block whose tokens are not all in `token_ids`.
-        limit = min(num_committed, len(token_ids))
+        seq.committed_tokens, seq.num_committed = token_ids, min(num_committed, len(token_ids))
+        self._publish(seq)
+
+    def mark_draft_written(self, req_id: int, num_tokens: int) -> None:
+        """Draft context KV is now stored for positions < num_tokens; publishes the committed blocks
+        that were waiting for it."""
+        seq = self.seqs[req_id]
+        seq.num_draft_valid_tokens = max(seq.num_draft_valid_tokens, min(num_tokens, len(seq.pages) * self.tokens_per_block))
+        if seq.num_committed:
+            self._publish(seq)
+
+    def _publish(self, seq: SequenceBlocks) -> None:
+        if not self.pool.enable_reuse:
+            return
+        p = self.tokens_per_block
+        limit = seq.num_committed
         if self.has_draft_pool:
             limit = min(limit, seq.num_draft_valid_tokens)
         while (seq.num_hashed_blocks + 1) * p <= limit and seq.num_hashed_blocks < len(seq.pages):
             i = seq.num_hashed_blocks
-            blk_tokens = token_ids[i * p:(i + 1) * p]
+            blk_tokens = seq.committed_tokens[i * p:(i + 1) * p]
             h = chain_hash(seq.last_hash, blk_tokens, self.cache_salt)
             bid = seq.pages[i]
             if self.has_draft_pool:
@@ -283,10 +303,24 @@ class KVCacheManager:
             self.pool.register(bid, h, blk_tokens)
             seq.last_hash, seq.num_hashed_blocks = h, i + 1
 
-    def mark_draft_written(self, req_id: int, num_tokens: int) -> None:
-        """Draft context KV is now stored for positions < num_tokens of this request."""
-        seq = self.seqs[req_id]
-        seq.num_draft_valid_tokens = max(seq.num_draft_valid_tokens, num_tokens)
+    def scratch_page(self) -> int:
+        """The page CUDA-graph padding requests write into (every pool; allocated on first use and
+        held for the manager's lifetime: never hashed, shared or freed, counted as used)."""
+        if self._scratch_page is None:
+            self._scratch_page = self.pool.allocate()
+        return self._scratch_page
+
+    def attention_metadata(self, request_ids: Sequence[int], starts: Sequence[int], lengths: Sequence[int],
+                           causal: bool) -> AttentionMetadata:
+        """Metadata for packed segments (request i: positions starts[i]..starts[i]+lengths[i]-1);
+        slots beyond a request's owned pages are -1 (the write is skipped)."""
+        slots: list[int] = []
+        for rid, st, n in zip(request_ids, starts, lengths):
+            slots.extend(self.slots(rid, st, n))
+        return AttentionMetadata(seq_lens=list(lengths), num_cached=list(starts),
+                                 block_tables=self.block_tables(request_ids, self.device),
+                                 slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+                                 tokens_per_block=self.tokens_per_block, causal=causal)
 
     def free(self, req_id: int) -> None:
         seq = self.seqs.pop(req_id, None)

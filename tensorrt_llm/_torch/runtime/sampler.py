@@ -80,9 +80,15 @@ def processed_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
 
 
 def race_noise(keys: torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
-    """keys [N] int64, vocab_hash [V] int64 -> Exp(1) noise [N, V] float32 (24-bit uniforms)."""
+    """keys [N] int64, vocab_hash [V] int64 -> Exp(1) noise [N, V] float32, strictly > 0.
+
+    The uniforms are 23-bit, u = (m + 0.5) / 2**23 for m < 2**23, so every u is exact in float32
+    and lies in [2**-24, 1 - 2**-24]: never 1.0, so E = -log u > 0 and a zero-probability token
+    scores p / E = 0, below every token of positive probability (24-bit uniforms round their
+    largest value to 1.0, E = 0, and 0 / 0 = NaN wins argmax).
+    """
     h = mix32(keys[:, None] ^ vocab_hash[None, :])
-    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    u = ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
     return -torch.log(u)
 
 

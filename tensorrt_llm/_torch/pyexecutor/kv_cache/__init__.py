@@ -1,0 +1,1 @@
+"""kv_cache: pool specs and budget split, the block pool with prefix hashing, the paged KVCacheManager."""

@@ -1,0 +1,1 @@
+"""runtime: request state, step types, device-resident token rows, graph-capture helpers (no policy)."""

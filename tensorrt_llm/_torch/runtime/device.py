@@ -1,0 +1,27 @@
+"""Device and dtype names of the args -> torch objects."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+_MODEL_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_device(name: Optional[str]) -> torch.device:
+    """None -> CUDA when available, else CPU; an explicit CUDA device without CUDA raises ValueError."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """"auto" -> bfloat16 on CUDA, float32 on CPU; else the named dtype."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _MODEL_DTYPES:
+        raise ValueError(f"dtype {name!r} unknown; known: auto, {', '.join(_MODEL_DTYPES)}")
+    return _MODEL_DTYPES[name]

@@ -1,0 +1,97 @@
+"""The executor's whole view of speculation: one `Drafter` ABC.
+
+A step with a drafter, as `PyExecutor.step` runs it::
+
+    segments  : prompt chunks | [anchor, d1..dK] per generating request   (verify_tokens)
+    forward   : target logits of the wanted rows + captured hidden rows
+    verify    : [G, K+1] output ids on the device (accepted drafts, one target token, -1 pad)
+    host copy : one per step (the executor's token choice and the verify rows together)
+    accept    : per request, the tokens to append (capped at max_tokens) + acceptance stats
+    kv.commit : verified tokens recorded; a block is published once its draft KV is written too
+    draft     : draft-context writes for every StepCommit, then the next block of drafts
+
+The executor imports only this module of `speculative/`; `create_drafter` builds the concrete
+drafter from its config.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Optional, Sequence
+
+import torch
+
+from ..pyexecutor.kv_cache.kv_cache_spec import KVCacheSpec
+from ..pyexecutor.kv_cache.resource_manager import KVCacheManager
+from ..runtime.llm_request import LlmRequest
+from ..runtime.sampler import Sampler
+from ..runtime.step import StepCommit
+
+
+class Drafter(ABC):
+    """A speculative drafter bound to a KV manager (its pool shares the target's page ids)."""
+
+    @property
+    @abstractmethod
+    def max_draft_len(self) -> int:
+        """K: drafts per verify segment (the segment holds K + 1 tokens)."""
+
+    @property
+    @abstractmethod
+    def lookahead_tokens(self) -> int:
+        """KV slots past the committed tokens that a generating request's draft step may write."""
+
+    @property
+    @abstractmethod
+    def capture_layer_ids(self) -> Sequence[int]:
+        """Target layers whose hidden states the drafter reads (captured by the target forward)."""
+
+    @property
+    @abstractmethod
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """The draft pool's layout and dtype."""
+
+    @abstractmethod
+    def bind(self, kv: KVCacheManager, sampler: Sampler) -> None:
+        """Attach the KV manager (the draft pool lives in it) and the sampler (draw streams)."""
+
+    def enable_cuda_graphs(self, max_batch_size: int) -> None:
+        """Capture the draft step per batch bucket (after `bind`); a drafter without graphs ignores it."""
+
+    @abstractmethod
+    def verify_tokens(self, req: LlmRequest) -> Sequence[int]:
+        """The verify segment [anchor, d1..dk] of a generating request (drafts may stay on the device)."""
+
+    @abstractmethod
+    def verify(self, reqs: Sequence[LlmRequest], logits: torch.Tensor, offsets: Sequence[int],
+               counts: Sequence[int]) -> torch.Tensor:
+        """Verify the step's generation requests without a sync.
+
+        logits [N, V]: request i's verify rows are offsets[i]..offsets[i]+counts[i]-1.
+        Returns [G, K+1] int64 on the device: accepted drafts, one target token, -1 padding.
+        """
+
+    @abstractmethod
+    def accept(self, req: LlmRequest, verified: Sequence[int]) -> list[int]:
+        """A request's host row of `verify` (without its -1 padding) -> the tokens to commit (at
+        most max_tokens - emitted, at least 1); records acceptance and clears the request's drafts."""
+
+    @abstractmethod
+    def draft(self, commits: Sequence[StepCommit], captured: Optional[torch.Tensor]) -> None:
+        """Write draft context for the committed tokens, then propose drafts for generating requests.
+        captured: [T, n*H] the step's captured target hidden rows (None when nothing was captured)."""
+
+    @abstractmethod
+    def release(self, req: LlmRequest) -> None:
+        """Forget a finished request's drafter state."""
+
+    @abstractmethod
+    def stats(self) -> dict:
+        """Acceptance statistics (JSON-able)."""
+
+    @abstractmethod
+    def reset_stats(self) -> None:
+        """Start a new acceptance window (get_stats() reports since the last reset)."""
+
+    @abstractmethod
+    def describe(self) -> dict:
+        """Static facts for the capacity report (architecture, K, backends)."""
