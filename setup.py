@@ -18,16 +18,21 @@ setup(
         "gguf>=0.10",
         "jinja2",
         "tqdm",
+        "fastapi>=0.115",
+        "uvicorn>=0.30",
+        "prometheus-client>=0.20",
+        "httpx>=0.27",
     ],
     extras_require={
         "gpu": ["flashinfer-python==0.7.2.post1"],
-        "test": ["pytest>=8", "transformers>=4.45"],
+        "test": ["pytest>=8", "transformers>=4.45", "openai>=1.40"],
     },
     entry_points={
         "console_scripts": [
             "trtllm-fetch-model=tensorrt_llm.tools.fetch_model:main",
             "trtllm-convert-gguf=tensorrt_llm.tools.convert_gguf:main",
             "trtllm-bench=tensorrt_llm.bench.benchmark:main",
+            "trtllm-serve=tensorrt_llm.serve.cli:main",
             "trtllm-train-dspark=tensorrt_llm.tools.train_dspark:main",
         ],
     },
