@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from tensorrt_llm import SamplingParams
-from tensorrt_llm._torch.pyexecutor.sampler import Sampler, processed_probs
+from tensorrt_llm._torch.runtime import sampler as sampler_module
+from tensorrt_llm._torch.runtime.sampler import Sampler, draw_key, mix32, processed_probs, race_noise
 
 CPU = torch.device("cpu")
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
@@ -154,6 +155,75 @@ def test_draft_stream_is_separate_from_the_token_stream():
     assert _chi2_loose(many, torch.full((8,), 1 / 8)) > 243
 
 
+# ---- zero-probability tokens never win (issue #19 item 5) -----------------------------------
+def _old_race_noise(keys, vocab_hash):
+    """The pre-fix noise: 24-bit uniforms whose largest value rounds to 1.0 in float32 (E = 0)."""
+    h = mix32(keys[:, None] ^ vocab_hash[None, :])
+    return -torch.log(((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24)))
+
+
+def _mix32_inverse(y: int) -> int:
+    """x with mix32(x) == y (each xorshift-16 is its own inverse on 32 bits; the multiply is odd)."""
+    inv = pow(0x45D9F3B, -1, 1 << 32)
+    y ^= y >> 16
+    y = y * inv & 0xFFFFFFFF
+    y ^= y >> 16
+    y = y * inv & 0xFFFFFFFF
+    return y ^ (y >> 16)
+
+
+def seed_hitting(token: int, vocab: int) -> int:
+    """A request seed whose first "token" draw hashes to 0xFFFFFFFF (the largest uniform) at
+    `token`: before the fix that cell's noise was E = 0, so a zero-probability token scored NaN."""
+    vocab_hash = int(Sampler(0, CPU).vocab_hash(vocab, CPU)[token])
+    key = _mix32_inverse(0xFFFFFFFF) ^ vocab_hash
+    base = _mix32_inverse(key)                               # draw 0: key = mix32(base)
+    seed = _mix32_inverse(_mix32_inverse(base) ^ mix32(0x632BE5AB))   # seed < 2**32
+    assert draw_key(seed, 0) == key
+    return seed
+
+
+def test_race_noise_is_positive_at_the_largest_hash():
+    """Issue #19 item 5: the hash 0xFFFFFFFF (the largest uniform) must still give E > 0, so a
+    zero-probability token scores 0, not 0 / 0 = NaN. Negative control: the pre-fix noise is 0
+    there and the zero-probability token wins argmax."""
+    key = torch.tensor([_mix32_inverse(0xFFFFFFFF)])
+    vocab_hash = torch.tensor([0, 0x12345])                  # token 0 gets the largest hash
+    assert int(mix32(key ^ vocab_hash[0])) == 0xFFFFFFFF
+    probs = torch.tensor([[0.0, 1.0]])                       # token 0 has probability 0
+    noise = race_noise(key, vocab_hash)
+    assert bool((noise > 0).all()) and bool(noise.isfinite().all())
+    assert int((probs / noise).argmax(-1)) == 1
+    old = _old_race_noise(key, vocab_hash)
+    assert float(old[0, 0]) == 0.0 and int((probs / old).argmax(-1)) == 0
+
+
+def test_top_k_50_never_samples_outside_the_top_50_over_5000_draws(monkeypatch):
+    """Issue #19 item 5: with top_k=50 every sampled token is among the 50 largest logits of its
+    row, over 5,000 draws (random logits, 4k vocab), 8 of them seeded so that the largest hash
+    falls on the row's smallest logit. Negative control: the pre-fix noise samples those 8 outside
+    the top 50."""
+    n, vocab, crafted = 5000, 4096, 8
+    logits = 3.0 * torch.randn(n, vocab, generator=torch.Generator().manual_seed(0))
+    worst = logits.argmin(-1)
+    params = [SamplingParams(temperature=1.0, top_k=50, seed=seed_hitting(int(worst[i]), vocab) if i < crafted
+                             else None) for i in range(n)]
+    top50 = logits.topk(50, dim=-1).indices
+
+    def draws():
+        s = Sampler(0, CPU)
+        return torch.cat([s.sample_rows(logits[lo:lo + 250], list(range(lo, lo + 250)), params[lo:lo + 250])
+                          for lo in range(0, n, 250)])
+
+    new = draws()
+    inside = (top50 == new[:, None]).any(-1)
+    assert bool(inside.all()), f"{int((~inside).sum())} draws outside the top 50"
+    assert len(set(new.tolist())) > 1000                     # really sampled, not the argmax
+    monkeypatch.setattr(sampler_module, "race_noise", _old_race_noise)
+    old = draws()
+    assert torch.equal(old[:crafted], worst[:crafted])
+
+
 # ---- end to end ---------------------------------------------------------------------------
 @pytest.fixture
 def llm(tiny_llama_dir, make_llm):
@@ -183,6 +253,25 @@ def test_top_k1_and_tiny_top_p_equal_greedy(llm):
     greedy = _ids(llm, SamplingParams(max_tokens=24, ignore_eos=True))
     assert _ids(llm, SamplingParams(max_tokens=24, ignore_eos=True, temperature=2.0, top_k=1, seed=3)) == greedy
     assert _ids(llm, SamplingParams(max_tokens=24, ignore_eos=True, temperature=2.0, top_p=1e-6, seed=3)) == greedy
+
+
+def test_tiny_top_p_at_temperature_one_equals_greedy_over_3000_tokens(llm, monkeypatch):
+    """Issue #19 item 5: top_p=1e-6 at temperature 1 keeps only the top token but still goes
+    through the draw; 12 x 250 = 3,000 sampled tokens equal greedy. Four requests are seeded so
+    that their first draw's largest hash falls on a zero-probability token. Negative control: the
+    pre-fix noise (E = 0 there, 0 / 0 = NaN wins argmax) emits that token instead."""
+    prompts = [PROMPT, "the quick brown fox", "hello world", "a paged kv cache"] * 3
+    greedy = [o.outputs[0].token_ids for o in
+              llm.generate(prompts, SamplingParams(max_tokens=250, ignore_eos=True))]
+    vocab = llm._bundle.model.config.vocab_size
+    traps = [(g[0] + 1) % vocab for g in greedy[:4]]
+    params = [SamplingParams(max_tokens=250, ignore_eos=True, temperature=1.0, top_p=1e-6,
+                             seed=seed_hitting(traps[i], vocab) if i < 4 else None) for i in range(len(prompts))]
+    sampled = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert sum(map(len, sampled)) == 3000 and sampled == greedy
+    monkeypatch.setattr(sampler_module, "race_noise", _old_race_noise)
+    old = [o.outputs[0].token_ids[0] for o in llm.generate(prompts[:4], params[:4])]
+    assert old == traps
 
 
 def test_max_tokens_finishes_with_length(llm):
