@@ -196,7 +196,7 @@ def test_metrics_count_requests_and_tokens(tiny_server, client):
 
 
 def test_soak_concurrent_requests_equal_offline_greedy(tiny_server, tiny_offline):
-    n, concurrency, max_tokens = 100, 16, 16
+    n, concurrency, max_tokens = 200, 32, 16
     prompts = [PROMPTS[i % len(PROMPTS)] + " " + "abcdefghij"[: i % 10] for i in range(n)]
     want = [o.outputs[0].token_ids for o in tiny_offline.generate(
         prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))]
@@ -236,7 +236,7 @@ def wait_idle(server, timeout: float = 60.0) -> dict[str, float]:
 
 
 def test_disconnecting_clients_abort_their_requests_and_free_every_page(tiny_server, tiny_offline):
-    n, max_tokens = 12, 250
+    n, max_tokens = 50, 120
     before = wait_idle(tiny_server)
 
     async def leave_early(i: int, stream: bool) -> None:
@@ -262,7 +262,7 @@ def test_disconnecting_clients_abort_their_requests_and_free_every_page(tiny_ser
     m = wait_idle(tiny_server, timeout=30)
     aborted = m['trtllm_requests_total{finish_reason="aborted"}'] - before['trtllm_requests_total{finish_reason="aborted"}']
     assert aborted == n
-    # the engine stopped them early: one step per token had they run to max_tokens (one fits the pool)
+    # the engine stopped them early: >= max_tokens / 2 steps each had they run to the end (2 fit the pool)
     steps = m["trtllm_iterations_total"] - before["trtllm_iterations_total"]
     assert steps < n * max_tokens / 4
     # and the server still answers exactly
