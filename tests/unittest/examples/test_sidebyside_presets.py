@@ -1,0 +1,46 @@
+"""examples/gpu/sidebyside.py: the preset arms become valid `tensorrt_llm.bench.sidebyside` arms
+(TorchLlmArgs accepts each), and unknown names or a bad --extra-yaml are refused."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from tensorrt_llm.bench import benchmark, sidebyside
+
+REPO = Path(__file__).resolve().parents[3]
+_spec = importlib.util.spec_from_file_location("gpu_sidebyside", REPO / "examples" / "gpu" / "sidebyside.py")
+ex = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ex)
+
+
+def test_presets_parse_and_validate(tiny_llama_dir, tmp_path):
+    specs = ex.arm_specs(["hf", "nospec", "gqa", "mla"], "/d/gqa", "/d/mla", "FLASHINFER", True, 262144,
+                         "batch_wait_timeout_iters: 8")
+    arms = [sidebyside.parse_arm(s) for s in specs]
+    assert [a.name for a in arms] == ["hf", "nospec", "gqa", "mla"] and arms[0].is_hf
+    assert arms[1].llm_args == {"attn_backend": "FLASHINFER", "use_cuda_graph": True,
+                                "kv_cache_config": {"max_tokens": 262144}, "batch_wait_timeout_iters": 8}
+    assert arms[2].llm_args["speculative_config"] == {"decoding_type": "DSpark", "speculative_model": "/d/gqa"}
+    assert arms[3].llm_args["speculative_config"]["speculative_model"] == "/d/mla"
+    y = tmp_path / "a.yaml"
+    y.write_text(specs[1].split("=", 1)[1])
+    args = benchmark.build_llm_args(str(tiny_llama_dir), str(y), [1, 16, 64])   # pydantic accepts it
+    assert args.attn_backend == "FLASHINFER" and args.max_batch_size == 64
+    with pytest.raises(ValueError):
+        ex.arm_specs(["nospec", "eagle"], "", "", "VANILLA", False, 1024, None)
+    with pytest.raises(ValueError):
+        ex.arm_specs(["nospec"], "", "", "VANILLA", False, 1024, "[1, 2]")
+
+
+def test_build_argv_defaults(tmp_path):
+    a = ex.argparse.Namespace(arms="nospec,gqa", model="/model", gqa="/g", mla="/m",
+                              prompts_file=str(tmp_path / "none.json"), dataset_cache_dir=None, concurrency=[1, 16],
+                              rounds=3, max_tokens=256, waves=2, min_requests=16, backend="FLASHINFER", graphs=True,
+                              kv_tokens=262144, extra_yaml=None, anchor=True, out=str(tmp_path))
+    argv = ex.build_argv(a)
+    assert argv[argv.index("--concurrency") + 1:argv.index("--rounds")] == ["1", "16"]
+    assert argv.count("--arm") == 2 and "--ratio-to" in argv and argv[argv.index("--ratio-to") + 1] == "nospec"
+    assert "--dataset" in argv and "--prompts-file" not in argv          # the file does not exist
+    assert argv[argv.index("--anchor") + 1].endswith("examples/gpu/compiled_step_anchor.py")
