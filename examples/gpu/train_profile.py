@@ -17,8 +17,9 @@ import torch
 
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig, LlamaForCausalLM
 from tensorrt_llm.tools.dspark_capture import TargetCapture
+from tensorrt_llm.tools.dspark_train_config import DSparkTrainConfig
 from tensorrt_llm.tools.dspark_train_forward import sample_anchors
-from tensorrt_llm.tools.train_dspark import DSparkTrainConfig, build_drafter, make_batch, run_blocks
+from tensorrt_llm.tools.train_dspark import build_drafter, make_batch, run_blocks
 
 SMOLLM2 = dict(architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,

@@ -11,7 +11,7 @@ from typing import Annotated, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-AttentionBackendName = Literal["AUTO", "VANILLA", "FLASHINFER", "TRTLLM", "CUTEDSL"]
+AttentionBackendName = Literal["AUTO", "VANILLA", "FLASHINFER"]   # resolver.KNOWN_BACKENDS + AUTO
 KvDtypeName = Literal["auto", "bfloat16", "float16", "float32", "fp8"]
 ModelDtypeName = Literal["auto", "bfloat16", "float16", "float32"]
 

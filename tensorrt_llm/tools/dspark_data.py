@@ -13,10 +13,9 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
-if TYPE_CHECKING:
-    from .train_dspark import DataConfig, DSparkTrainConfig
+from .dspark_train_config import DataConfig, DSparkTrainConfig
 
 logger = logging.getLogger("tensorrt_llm")
 

@@ -38,6 +38,23 @@ def test_invalid_values_raise(kwargs):
         TorchLlmArgs(model="m", **kwargs)
 
 
+@pytest.mark.parametrize("name", ["TRTLLM", "CUTEDSL", "FAST"])
+def test_unknown_attention_backend_names_the_known_ones(name):
+    known = r"'AUTO', 'VANILLA' or 'FLASHINFER'"
+    with pytest.raises(ValidationError, match=rf"(?s)attn_backend.*{known}"):
+        TorchLlmArgs(model="m", attn_backend=name)
+    with pytest.raises(ValidationError, match=rf"(?s)attention_backend.*{known}"):
+        DSparkDecodingConfig(speculative_model="d", attention_backend=name)
+
+
+def test_attention_backend_names_match_the_resolver():
+    from typing import get_args
+
+    from tensorrt_llm._torch.attention_backend.resolver import KNOWN_BACKENDS
+    from tensorrt_llm.llmapi.llm_args import AttentionBackendName
+    assert get_args(AttentionBackendName) == ("AUTO", *KNOWN_BACKENDS)
+
+
 def test_validated_args_are_frozen():
     args = TorchLlmArgs(model="m", kv_cache_config={"max_tokens": 64})
     with pytest.raises(ValidationError):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from tensorrt_llm.tools.train_dspark import DSparkTrainConfig
+from tensorrt_llm.tools.dspark_train_config import DSparkTrainConfig
 
 VOCAB, SPECIALS = 512, ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<mask>"]
 MASK_ID = 3

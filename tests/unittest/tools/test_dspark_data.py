@@ -7,8 +7,8 @@ import json
 import pytest
 
 from dspark_tiny import tiny_config
-from tensorrt_llm.tools.dspark_data import answer_seed, shard_file
-from tensorrt_llm.tools.train_dspark import _split, load_data, main, regenerate
+from tensorrt_llm.tools.dspark_data import answer_seed, load_data, regenerate, shard_file
+from tensorrt_llm.tools.train_dspark import _split, main
 
 
 def test_sharded_regeneration_from_gzip_prompts(tiny_target, tmp_path):

@@ -15,9 +15,11 @@ from tensorrt_llm._torch.attention_backend.interface import BAD_PAGE_INDEX, Atte
 from tensorrt_llm._torch.attention_backend.vanilla import VanillaAttention
 from tensorrt_llm._torch.models.modeling_dspark import DSparkForCausalLMBase, load_drafter
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
+from tensorrt_llm.tools.dspark_data import regenerate
+from tensorrt_llm.tools.dspark_train_config import DSparkTrainConfig
 from tensorrt_llm.tools.dspark_train_forward import (IGNORE_INDEX, block_inputs, block_labels, block_logits,
                                                      build_block_mask, expected_accept_length, train_forward)
-from tensorrt_llm.tools.train_dspark import DSparkTrainConfig, main, regenerate, train
+from tensorrt_llm.tools.train_dspark import main, train
 from dspark_tiny import MASK_ID, TINY_DRAFTER, VOCAB, tiny_config
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -301,11 +301,11 @@ def load(folder: Path, tcfg: LlamaConfig | None = None, **ov):
 @pytest.mark.parametrize("kind", ["gqa", "mla"])
 def test_round_trip_identical_outputs(kind, target, tmp_path):
     g = torch.Generator().manual_seed(7)
-    d = save(kind, target, tmp_path, markov_rank=4, confidence_head=True)
+    d = save(kind, target, tmp_path, markov_rank=4)
     keys = set(load_file(str(tmp_path / "model.safetensors")))
     assert keys == set(d.state_dict())
     assert not any("embed" in k or "lm_head" in k for k in keys)
-    assert "confidence_head.weight" in keys and "markov_head.w1.weight" in keys
+    assert "markov_head.w1.weight" in keys
     d2 = load(tmp_path)
     assert type(d2) is DRAFTER_REGISTRY[d.config.architecture] and d2.config == d.config
     d2.bind_target(target.model.embed_tokens, target.lm_head)
@@ -346,15 +346,32 @@ def test_reject_partial_markov_head(target, tmp_path):
         load(tmp_path)
 
 
-def test_reject_declared_head_absent_and_partial_confidence(target, tmp_path):
-    save("gqa", target, tmp_path, markov_rank=4, confidence_head=True)
+def test_reject_declared_head_absent(target, tmp_path):
+    save("gqa", target, tmp_path, markov_rank=4)
     edit_state(tmp_path, lambda s: [s.pop(k) for k in ("markov_head.w1.weight", "markov_head.w2.weight")])
     with pytest.raises(ValueError, match="config declares markov_head but the checkpoint has none"):
         load(tmp_path)
     edit_config(tmp_path, lambda c: c["dspark_config"].update(markov_rank=0))
     load(tmp_path)                                       # consistent again
-    edit_state(tmp_path, lambda s: s.pop("confidence_head.bias"))
-    with pytest.raises(ValueError, match="module 'confidence_head' is partially present"):
+
+
+def test_retired_confidence_head_key(target, tmp_path):
+    # Older checkpoints carry dspark_config.confidence_head: false loads (shipped drafters do),
+    # true raises naming the file and key, and its tensors are not silently dropped.
+    save("gqa", target, tmp_path)
+    assert "confidence_head" not in json.loads((tmp_path / "config.json").read_text())["dspark_config"]
+    edit_config(tmp_path, lambda c: c["dspark_config"].update(confidence_head=False))
+    assert not hasattr(load(tmp_path), "confidence_head")
+    edit_config(tmp_path, lambda c: c["dspark_config"].update(confidence_head=True))
+    with pytest.raises(ValueError, match=r"config.json: dspark_config: key 'confidence_head' is true"):
+        load(tmp_path)
+    edit_config(tmp_path, lambda c: c["dspark_config"].update(confidence_head="no"))
+    with pytest.raises(ValueError, match=r"dspark_config: key 'confidence_head' must be bool"):
+        load(tmp_path)
+    edit_config(tmp_path, lambda c: c["dspark_config"].update(confidence_head=False))
+    edit_state(tmp_path, lambda s: s.update({"confidence_head.weight": torch.zeros(1, HIDDEN),
+                                             "confidence_head.bias": torch.zeros(1)}))
+    with pytest.raises(ValueError, match=r"unexpected tensors: \['confidence_head.bias', 'confidence_head.weight'\]"):
         load(tmp_path)
 
 
