@@ -40,6 +40,7 @@ class PyExecutor:
         self.drafter = drafter
         self._abort_ids: set[int] = set()
         self._abort_lock = threading.Lock()
+        self._submit_lock = threading.Lock()     # a submitted group is refused or reaches the loop
         # each item is one group of requests that reaches the scheduler in one drain
         self._incoming: "queue.Queue[list[tuple[LlmRequest, UpdateCallback]]]" = queue.Queue()
         self._callbacks: dict[int, UpdateCallback] = {}
@@ -57,11 +58,12 @@ class PyExecutor:
     def enqueue_requests(self, items: Sequence[tuple[LlmRequest, UpdateCallback]]) -> None:
         """Submit requests as one group: the loop admits all of them before its next step, so the
         batches of one `LLM.generate` call do not depend on how fast the caller submitted them."""
-        if self.fatal_error is not None:
-            raise RuntimeError(f"executor stopped after a fatal error: {self.fatal_error}")
-        if items:
-            self._incoming.put(list(items))
-            self._wake.set()
+        with self._submit_lock:
+            if self.fatal_error is not None:
+                raise RuntimeError(f"executor stopped after a fatal error: {self.fatal_error}")
+            if items:
+                self._incoming.put(list(items))
+        self._wake.set()
 
     def _drain_incoming(self) -> None:
         while True:
@@ -80,11 +82,17 @@ class PyExecutor:
             self._thread.start()
 
     def shutdown(self) -> None:
+        """Stop the loop thread. Every request still queued or in flight finishes with an error, so
+        no caller waits on a stopped loop; `step()` / `run_until_idle()` may still drive it by hand."""
         self._stop.set()
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-            self._thread = None
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout=30)
+            if thread.is_alive():    # a step still runs: the loop fails the rest when it returns
+                logger.warning("executor step still running after 30 s; its requests fail when it returns")
+                return
+        self._fail_all("the LLM was shut down before this request finished")
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -95,16 +103,28 @@ class PyExecutor:
                 continue
             try:
                 self.step()
-            except Exception as e:  # a bug in the step itself: fail all in-flight requests
-                self.fatal_error = f"{type(e).__name__}: {e}"
+            except Exception as e:  # a device fault: fail every request, refuse every later one
+                with self._submit_lock:
+                    self.fatal_error = f"{type(e).__name__}: {e}"
                 logger.error("executor step failed:\n%s", traceback.format_exc())
-                for req in list(self.scheduler.running) + list(self.scheduler.waiting):
-                    req.error = self.fatal_error
-                    req.finish("error")
-                    self._notify(req, [])
-                self.scheduler.running.clear()
-                self.scheduler.waiting.clear()
+                self._fail_all(self.fatal_error)
                 return
+        self._fail_all("the LLM was shut down before this request finished")
+
+    def _fail_all(self, reason: str) -> None:
+        """Finish every queued and in-flight request with error `reason` and notify its caller
+        (running requests' pages are freed first)."""
+        with self._submit_lock:          # every group accepted so far is in the queue
+            self._drain_incoming()
+        waiting = list(self.scheduler.waiting)
+        for req in waiting:
+            self.scheduler.abort_waiting(req)
+        for req in waiting + self.scheduler.running:
+            if not req.is_finished:
+                req.error = reason
+                req.finish("error")
+        for req in self._retire_finished() + waiting:
+            self._deliver(req, [])
 
     def run_until_idle(self) -> None:
         """Synchronous driver (tests, offline)."""

@@ -171,7 +171,7 @@ def _ref_step_pages(md: AttentionMetadata) -> tuple[list[int], ...]:
 
 def test_step_pages_match_reference_on_random_inputs():
     import random
-    from tensorrt_llm._torch.attention_backend.flashinfer_backend import CUDA_GRAPH_SHAPE_KEY, build_step_pages
+    from tensorrt_llm._torch.attention_backend.flashinfer_backend import build_step_pages
     rng = random.Random(0)
     for trial in range(200):
         p = rng.choice([4, 16, 32])
@@ -187,7 +187,7 @@ def test_step_pages_match_reference_on_random_inputs():
         graph = trial % 3 == 0
         md = AttentionMetadata(seq_lens=new, num_cached=cached, block_tables=bt,
                                slot_mapping=torch.tensor(slots, dtype=torch.long), tokens_per_block=p,
-                               extras={CUDA_GRAPH_SHAPE_KEY: (b, 1, width)} if graph else {})
+                               graph_shape=(b, 1, width) if graph else None)
         got = build_step_pages(md)
         qo, kvp, idx, last, kv_lens = _ref_step_pages(md)
         assert BAD_PAGE_INDEX not in idx
@@ -327,7 +327,6 @@ def test_mla_absorbed_matches_vanilla(fi_backend, causal, new):
 @gpu
 def test_gqa_cuda_graph_replay_matches_vanilla(fi_backend):
     """Capture backend.forward once for (bucket 4, q 3); replay on fresh metadata each time."""
-    from tensorrt_llm._torch.attention_backend.flashinfer_backend import CUDA_GRAPH_SHAPE_KEY
     bucket, q, p, max_pages = 4, 3, 16, 12
     cases = [make_case(30 + i, cached, [q] * bucket, True, "cuda", hq=9, hkv=3, p=p)
              for i, cached in enumerate([[5, 40, 17, 60], [0, 3, 90, 33], [120, 1, 44, 8]])]
@@ -348,7 +347,7 @@ def test_gqa_cuda_graph_replay_matches_vanilla(fi_backend):
         md.block_tables[:, :case.md.block_tables.shape[1]] = case.md.block_tables
         md.slot_mapping.copy_(case.md.slot_mapping)
         md.num_cached = list(case.md.num_cached)
-        md.extras = {CUDA_GRAPH_SHAPE_KEY: (bucket, q, max_pages)}
+        md.graph_shape = (bucket, q, max_pages)
         fi_backend.prepare(md)
 
     load(cases[0])

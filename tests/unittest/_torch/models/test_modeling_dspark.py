@@ -16,7 +16,7 @@ from tensorrt_llm._torch.models.modeling_dspark import (DRAFTER_REGISTRY, DSpark
                                                          GQADSparkForCausalLM, MLADSparkForCausalLM,
                                                          load_drafter)
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig, LlamaForCausalLM
-from tensorrt_llm._torch.speculative.dspark_config import DSparkModelConfig
+from tensorrt_llm._torch.models.dspark_config import DSparkModelConfig
 
 HIDDEN, VOCAB, P, NUM_PAGES = 64, 128, 4, 40
 CPU, F32 = torch.device("cpu"), torch.float32
@@ -90,7 +90,7 @@ def make_inputs(d: DSparkForCausalLMBase, paged: Paged, g: torch.Generator):
 @torch.no_grad()
 def run_paged(d: DSparkForCausalLMBase, paged: Paged, th: list[torch.Tensor], blocks: torch.Tensor,
               causal: bool = False) -> torch.Tensor:
-    spec = d.kv_cache_spec(F32)
+    spec = kv_spec(d)
     caches = [torch.zeros(spec.layer_shape(NUM_PAGES, P)) for _ in range(spec.num_layers)]
     backend = VanillaAttention()
     d.write_context(d.context_features(torch.cat(th)), paged.ctx_pos, paged.ctx_slots, caches, backend)
@@ -189,7 +189,7 @@ def test_sliding_window(kind, target):
 
 def test_write_context_skips_negative_slots(target):
     d = drafter("gqa", target)
-    spec = d.kv_cache_spec(F32)
+    spec = kv_spec(d)
     caches = [torch.zeros(spec.layer_shape(4, P)) for _ in range(spec.num_layers)]
     feats = d.context_features(torch.randn(3, d.config.fc_in_features))
     d.write_context(feats, torch.arange(3), torch.tensor([5, -1, 6]), caches, VanillaAttention())
@@ -198,10 +198,10 @@ def test_write_context_skips_negative_slots(target):
 
 
 def test_kv_cache_spec(target):
-    g = drafter("gqa", target).kv_cache_spec(torch.bfloat16)
+    g = kv_spec(drafter("gqa", target), torch.bfloat16)
     assert (g.name, g.kind, g.num_layers, g.planes, g.heads, g.head_dim, g.dtype) == \
         ("draft", "gqa", 2, 2, 2, 16, torch.bfloat16)
-    m = drafter("mla", target).kv_cache_spec(F32)
+    m = kv_spec(drafter("mla", target))
     assert (m.name, m.kind, m.planes, m.heads, m.head_dim) == ("draft", "mla", 1, 1, 32 + 8)
 
 

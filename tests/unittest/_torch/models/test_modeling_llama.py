@@ -15,9 +15,10 @@ import torch
 from tensorrt_llm._torch.attention_backend.vanilla import VanillaAttention
 from tensorrt_llm._torch.models import load_target_model
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig, LlamaForCausalLM
-from tensorrt_llm._torch.pyexecutor.kv_cache_spec import KVCacheSpec
-from tensorrt_llm._torch.pyexecutor.model_engine import ForwardSegment, ModelEngine
-from tensorrt_llm._torch.pyexecutor.resource_manager import KVCacheManager
+from tensorrt_llm._torch.pyexecutor.kv_cache.kv_cache_spec import KVCacheSpec
+from tensorrt_llm._torch.pyexecutor.model_engine import ModelEngine
+from tensorrt_llm._torch.runtime.step import ForwardSegment
+from tensorrt_llm._torch.pyexecutor.kv_cache.resource_manager import KVCacheManager
 from tensorrt_llm.llmapi.tokenizer import TokenizerWrapper
 
 TOL = 1e-4

@@ -113,9 +113,9 @@ def test_runner_host_staging_matches_reference_on_cpu():
 
     from tensorrt_llm._torch.attention_backend.flashinfer_backend import PAGES_KEY, FlashInferAttention
     from tensorrt_llm._torch.pyexecutor.cuda_graph_runner import CUDAGraphRunner
-    from tensorrt_llm._torch.pyexecutor.kv_cache_spec import KVCacheSpec
-    from tensorrt_llm._torch.pyexecutor.model_engine import ForwardSegment
-    from tensorrt_llm._torch.pyexecutor.resource_manager import KVCacheManager
+    from tensorrt_llm._torch.pyexecutor.kv_cache.kv_cache_spec import KVCacheSpec
+    from tensorrt_llm._torch.runtime.step import ForwardSegment
+    from tensorrt_llm._torch.pyexecutor.kv_cache.resource_manager import KVCacheManager
 
     rng, p = random.Random(1), 16
     kv = KVCacheManager([KVCacheSpec("target", "gqa", 1, 2, 1, 4, torch.float32)], 400, p, 160,
@@ -158,10 +158,10 @@ def test_runner_gathers_device_drafts_into_its_inputs_on_cpu():
     pack_graph_inputs over the host values."""
     from tensorrt_llm._torch.attention_backend.flashinfer_backend import FlashInferAttention
     from tensorrt_llm._torch.pyexecutor.cuda_graph_runner import CUDAGraphRunner
-    from tensorrt_llm._torch.pyexecutor.kv_cache_spec import KVCacheSpec
-    from tensorrt_llm._torch.pyexecutor.model_engine import ForwardSegment
-    from tensorrt_llm._torch.pyexecutor.resource_manager import KVCacheManager
-    from tensorrt_llm._torch.speculative.pending_drafts import PendingDrafts, VerifyTokens
+    from tensorrt_llm._torch.pyexecutor.kv_cache.kv_cache_spec import KVCacheSpec
+    from tensorrt_llm._torch.runtime.step import ForwardSegment
+    from tensorrt_llm._torch.pyexecutor.kv_cache.resource_manager import KVCacheManager
+    from tensorrt_llm._torch.runtime.token_rows import PendingDrafts, VerifyTokens
 
     p, q = 16, 4
     kv = KVCacheManager([KVCacheSpec("target", "gqa", 1, 2, 1, 4, torch.float32)], 200, p, 96,
@@ -194,9 +194,9 @@ def test_runner_gathers_device_drafts_into_its_inputs_on_cpu():
 def make_engine(path, backend_name: str, use_graph: bool, max_batch: int = 8, tokens_per_gen: int = 3):
     from tensorrt_llm._torch.attention_backend.resolver import create_backend
     from tensorrt_llm._torch.models import load_target_model
-    from tensorrt_llm._torch.pyexecutor.kv_cache_spec import KVCacheSpec
+    from tensorrt_llm._torch.pyexecutor.kv_cache.kv_cache_spec import KVCacheSpec
     from tensorrt_llm._torch.pyexecutor.model_engine import ModelEngine
-    from tensorrt_llm._torch.pyexecutor.resource_manager import KVCacheManager
+    from tensorrt_llm._torch.pyexecutor.kv_cache.resource_manager import KVCacheManager
 
     dev = torch.device("cuda")
     model = load_target_model(path, torch.bfloat16, dev, max_positions=512)
@@ -212,7 +212,7 @@ def make_engine(path, backend_name: str, use_graph: bool, max_batch: int = 8, to
 @pytest.mark.parametrize("batch", [1, 3, 6])
 def test_graph_matches_eager_teacher_forced(llama64_dir, batch):
     pytest.importorskip("flashinfer")
-    from tensorrt_llm._torch.pyexecutor.model_engine import ForwardSegment
+    from tensorrt_llm._torch.runtime.step import ForwardSegment
 
     engines = {"graph": make_engine(llama64_dir, "FLASHINFER", True),
                "eager": make_engine(llama64_dir, "FLASHINFER", False),

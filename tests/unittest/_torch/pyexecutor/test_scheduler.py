@@ -8,9 +8,9 @@ import yaml
 from pydantic import ValidationError
 
 from tensorrt_llm import SamplingParams
-from tensorrt_llm._torch.pyexecutor.kv_cache_spec import KVCacheSpec
-from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, RequestState
-from tensorrt_llm._torch.pyexecutor.resource_manager import KVCacheManager
+from tensorrt_llm._torch.pyexecutor.kv_cache.kv_cache_spec import KVCacheSpec
+from tensorrt_llm._torch.runtime.llm_request import LlmRequest, RequestState
+from tensorrt_llm._torch.pyexecutor.kv_cache.resource_manager import KVCacheManager
 from tensorrt_llm._torch.pyexecutor.scheduler import Scheduler
 from tensorrt_llm.llmapi.llm_args import TorchLlmArgs
 

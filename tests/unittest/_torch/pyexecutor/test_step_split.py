@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tensorrt_llm._torch.pyexecutor.cuda_graph_runner import GraphRun
-from tensorrt_llm._torch.pyexecutor.model_engine import ForwardSegment
+from tensorrt_llm._torch.runtime.step import ForwardSegment
 from tensorrt_llm._torch.pyexecutor.step_split import cat_rows, graph_candidates, stitched_offsets
 
 from test_cuda_graph import NEG_MIN, TOL, gpu, rel   # the GPU tolerances and helpers of the graph tests
@@ -129,8 +129,8 @@ def _cpu_runner(kv, buckets=None, token_counts=(1, 4)):
 
 
 def _cpu_kv(num_pages=200):
-    from tensorrt_llm._torch.pyexecutor.kv_cache_spec import KVCacheSpec
-    from tensorrt_llm._torch.pyexecutor.resource_manager import KVCacheManager
+    from tensorrt_llm._torch.pyexecutor.kv_cache.kv_cache_spec import KVCacheSpec
+    from tensorrt_llm._torch.pyexecutor.kv_cache.resource_manager import KVCacheManager
     return KVCacheManager([KVCacheSpec("target", "gqa", 1, 2, 1, 4, torch.float32)], num_pages, 16, 160,
                           torch.device("cpu"))
 
@@ -178,8 +178,8 @@ class _EagerReplay:
 def _cpu_engine(model, layers):
     from tensorrt_llm._torch.attention_backend.resolver import create_backend
     from tensorrt_llm._torch.pyexecutor.model_engine import ModelEngine
-    from tensorrt_llm._torch.pyexecutor.kv_cache_spec import KVCacheSpec
-    from tensorrt_llm._torch.pyexecutor.resource_manager import KVCacheManager
+    from tensorrt_llm._torch.pyexecutor.kv_cache.kv_cache_spec import KVCacheSpec
+    from tensorrt_llm._torch.pyexecutor.kv_cache.resource_manager import KVCacheManager
 
     dev = torch.device("cpu")
     n_layers, n_kv, head_dim = model.kv_cache_layout()
@@ -246,9 +246,9 @@ def test_engine_stitches_split_step_like_eager_cpu(tiny_llama_dir):
 def _gpu_engine(path, use_graph: bool, q: int):
     from tensorrt_llm._torch.attention_backend.resolver import create_backend
     from tensorrt_llm._torch.models import load_target_model
-    from tensorrt_llm._torch.pyexecutor.kv_cache_spec import KVCacheSpec
+    from tensorrt_llm._torch.pyexecutor.kv_cache.kv_cache_spec import KVCacheSpec
     from tensorrt_llm._torch.pyexecutor.model_engine import ModelEngine
-    from tensorrt_llm._torch.pyexecutor.resource_manager import KVCacheManager
+    from tensorrt_llm._torch.pyexecutor.kv_cache.resource_manager import KVCacheManager
 
     dev = torch.device("cuda")
     model = load_target_model(path, torch.bfloat16, dev, max_positions=512)

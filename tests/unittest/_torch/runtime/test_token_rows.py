@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tensorrt_llm._torch.pyexecutor.cuda_graph_runner import gather_drafts
-from tensorrt_llm._torch.speculative.pending_drafts import DraftRow, PendingDrafts, VerifyTokens
+from tensorrt_llm._torch.runtime.token_rows import DraftRow, PendingDrafts, VerifyTokens
 
 
 def test_rows_lengths_and_values():

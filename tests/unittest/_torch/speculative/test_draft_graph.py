@@ -20,7 +20,7 @@ from tensorrt_llm import LLM, SamplingParams
 from tensorrt_llm._torch.models.checkpoint import read_config
 from tensorrt_llm._torch.models.modeling_dspark import DSparkForCausalLMBase
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
-from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest
+from tensorrt_llm._torch.runtime.llm_request import LlmRequest
 from tensorrt_llm._torch.speculative.draft_graph_runner import DraftGraphRunner
 from tensorrt_llm._torch.speculative.dspark_worker import DSparkWorker
 
@@ -91,12 +91,12 @@ def test_draft_graph_matches_eager_and_is_lossless(llama64_dir, tmp_path_factory
         ids = pending.rows()          # the host values (waits for the draft step's copy)
         seen["replays"] += 1
         worker = self.shadow_worker
-        live = [req for req, *_ in committed if not req.is_finished]
-        graph = {req.request_id: g for (req, *_), g in zip(committed, ids)}
-        slots = [s for req, _, start, n in committed for s in self.kv.slots(req.request_id, start, n)]
+        live = [c.req for c in committed if not c.req.is_finished]
+        graph = {c.req.request_id: g for c, g in zip(committed, ids)}
+        slots = [s for c in committed for s in self.kv.slots(c.req.request_id, c.start, c.count)]
         layers = (worker.kv_caches[0], worker.kv_caches[-1])
         graph_kv = [_rows(c, slots) for c in layers]
-        worker.eager_draft_step(committed, captured, self.kv)   # the same step eagerly (rewrites the KV)
+        worker._eager_draft(committed, captured)   # the same step eagerly (rewrites the KV)
         for g, c in zip(graph_kv, layers):
             e = _rows(c, slots)
             seen["kv_err"].append(float((g - e).norm() / e.norm()))
@@ -111,7 +111,7 @@ def test_draft_graph_matches_eager_and_is_lossless(llama64_dir, tmp_path_factory
     monkeypatch.setattr(DraftGraphRunner, "run", shadowed)
     spec = {"decoding_type": "DSpark", "speculative_model": str(drafter)}
     with _llm(llama64_dir, use_cuda_graph=True, speculative_config=spec) as llm:
-        worker: DSparkWorker = llm._executor.spec
+        worker: DSparkWorker = llm._executor.drafter
         worker.graph_runner.shadow_worker = worker
         toks = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
         runner = worker.graph_runner
@@ -141,8 +141,8 @@ def test_split_steps_with_staggered_arrivals_are_lossless(llama64_dir, tmp_path_
     with LLM(str(llama64_dir), speculative_config=spec, **common) as llm:
         toks = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         target = llm._executor.engine.graph_runner
-        draft = llm._executor.spec.graph_runner
-        stats = llm._executor.spec.stats()["draft_cuda_graph"]
+        draft = llm._executor.drafter.graph_runner
+        stats = llm._executor.drafter.stats()["draft_cuda_graph"]
     assert [len(t) for t in toks] == max_tokens
     assert toks == baseline
     assert target.num_split_steps > 0 and target.num_replays > target.num_eager_fallbacks

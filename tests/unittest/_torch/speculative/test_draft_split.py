@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tensorrt_llm._torch.runtime.step import StepCommit
 from tensorrt_llm import DSparkDecodingConfig, SamplingParams
 from tensorrt_llm._torch.attention_backend.flashinfer_backend import FlashInferAttention
 from tensorrt_llm._torch.attention_backend.resolver import Resolution
@@ -20,13 +21,13 @@ from tensorrt_llm._torch.attention_backend.vanilla import VanillaAttention
 from tensorrt_llm._torch.models.checkpoint import read_config
 from tensorrt_llm._torch.models.modeling_dspark import DSparkForCausalLMBase
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
-from tensorrt_llm._torch.pyexecutor.kv_cache_spec import KVCacheSpec
-from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, RequestState
-from tensorrt_llm._torch.pyexecutor.resource_manager import KVCacheManager
-from tensorrt_llm._torch.pyexecutor.sampler import Sampler
+from tensorrt_llm._torch.pyexecutor.kv_cache.kv_cache_spec import KVCacheSpec
+from tensorrt_llm._torch.runtime.llm_request import LlmRequest, RequestState
+from tensorrt_llm._torch.pyexecutor.kv_cache.resource_manager import KVCacheManager
+from tensorrt_llm._torch.runtime.sampler import Sampler
 from tensorrt_llm._torch.speculative.draft_graph_runner import DraftGraphRunner, captured_row_counts
 from tensorrt_llm._torch.speculative.dspark_worker import DSparkWorker
-from tensorrt_llm._torch.speculative.pending_drafts import DraftRow, PendingDrafts
+from tensorrt_llm._torch.runtime.token_rows import DraftRow, PendingDrafts
 
 P, Q, S = 16, 5, 4          # page, verify rows (K+1; K = 4 drafts with shift_label), block
 
@@ -78,22 +79,22 @@ def test_partition_picks_graphable_entries():
         kv.ensure_capacity(rid, 48)
     fin = _req(6, 20, 2)
     fin.finish("length")
-    committed = [(_req(0, 20, 2), 0, 20, 2),                                 # graph
+    committed = [StepCommit(*c) for c in [(_req(0, 20, 2), 0, 20, 2),                                 # graph
                  (_req(1, 0, 5, RequestState.CONTEXT, prompt=30), 5, 0, 5),  # prompt chunk of q rows
                  (_req(2, 20, 4), 10, 20, 4),                                # graph
                  (_req(3, 20, 1, greedy=False), 15, 20, 1),                  # sampled
                  (_req(4, 20, 1), 20, 20, 1),                                # 2 rows: shorter verify
                  (_req(5, 44, 2), 22, 44, 2),                                # context 44..48: not owned
                  (fin, 27, 20, 2),                                           # finished: graph
-                 (_req(7, 10, 4), 32, 10, 4)]                                # graph
-    rows = captured_row_counts([c[1] for c in committed], 37)
+                 (_req(7, 10, 4), 32, 10, 4)]]                                # graph
+    rows = captured_row_counts([c.row0 for c in committed], 37)
     assert rows == [5, 5, 5, 5, 2, 5, 5, 5]
     runner = _runner(kv)
     idx, plan = runner.partition(committed, rows)
     assert idx == [0, 2, 6, 7] and plan.bucket == 4
     assert plan.new_ctx == [22, 24, 22, 14]
-    assert plan.anchors == [committed[0][0].token_at(22), committed[2][0].token_at(24), 511,
-                            committed[7][0].token_at(14)]
+    assert plan.anchors == [committed[0].req.token_at(22), committed[2].req.token_at(24), 511,
+                            committed[7].req.token_at(14)]
     assert plan.ctx_slots.tolist() == [kv.slots(r, c, Q) for r, c in ((0, 20), (2, 20), (6, 20), (7, 10))]
     assert plan.blk_slots.tolist() == [kv.slots(r, c, S) for r, c in ((0, 22), (2, 24), (6, 22), (7, 14))]
     idx, _ = _runner(kv, buckets=[1, 2]).partition(committed, rows)
@@ -136,21 +137,22 @@ def _step(tiny_llama_dir, graph: bool, layout: str, swap_rows: bool = False):
     if swap_rows:
         (r0, a, s0, n0), (r2, b, s2, n2) = committed[0], committed[2]
         committed[0], committed[2] = (r0, b, s0, n0), (r2, a, s2, n2)
+    committed = [StepCommit(*c) for c in committed]
     captured = torch.randn(29, width, generator=torch.Generator().manual_seed(0))
     if graph:
         runner = _runner(kv)
         replays = []
 
         def eager_replay(group, group_captured, plan):   # the graph's job, done eagerly
-            assert [row0 for _, row0, _, _ in group] == [j * Q for j in range(len(group))]
-            worker.eager_draft_step(group, group_captured, kv)
+            assert [c.row0 for c in group] == [j * Q for j in range(len(group))]
+            worker._eager_draft(group, group_captured)
             replays.append(len(group))
             return PendingDrafts(torch.tensor([list(req.draft_tokens) + [511] * (Q - 1 - len(req.draft_tokens))
-                                               for req, *_ in group]))
+                                               for req in (c.req for c in group)]))
 
         runner.run = eager_replay
         worker.graph_runner = runner
-    worker.draft_step(committed, captured, kv)
+    worker.draft(committed, captured)
     if graph:
         assert replays == [4] and runner.num_split_steps == 1 and runner.num_eager_fallbacks == 0
         assert worker.stats()["draft_cuda_graph"]["split_steps"] == 1
@@ -159,7 +161,7 @@ def _step(tiny_llama_dir, graph: bool, layout: str, swap_rows: bool = False):
 
 def _committed_kv(kv, committed) -> torch.Tensor:
     pool, rows = kv.pools["draft"], []
-    for req, _, start, n in committed:
+    for req, start, n in ((c.req, c.start, c.count) for c in committed):
         for s in kv.slots(req.request_id, 0, start + n):
             rows.append(pool[:, s // P, :, :, s % P])
     return torch.stack(rows)
@@ -169,10 +171,10 @@ def _committed_kv(kv, committed) -> torch.Tensor:
 def test_split_draft_step_equals_eager(tiny_llama_dir, layout):
     _, kv_e, ref = _step(tiny_llama_dir, False, layout)
     _, kv_g, got = _step(tiny_llama_dir, True, layout)
-    for (a, *_), (b, *_) in zip(ref, got):
+    for a, b in ((x.req, y.req) for x, y in zip(ref, got)):
         assert list(a.draft_tokens) == list(b.draft_tokens), a.request_id
         assert kv_e.seqs[a.request_id].num_draft_valid_tokens == kv_g.seqs[b.request_id].num_draft_valid_tokens
-    live = [req for req, *_ in got if req.state == RequestState.GENERATION]
+    live = [c.req for c in got if c.req.state == RequestState.GENERATION]
     assert all(len(req.draft_tokens) == Q - 1 for req in live)
     # the graph group's drafts stay device-resident rows until read; the eager rest are lists
     assert sum(isinstance(req.draft_tokens, DraftRow) for req in live) == 3

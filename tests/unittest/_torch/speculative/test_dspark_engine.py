@@ -67,8 +67,8 @@ def _oracle_patch(monkeypatch, truth: dict[tuple, list[int]], seed: int):
     rng = random.Random(seed)
     orig = DSparkWorker._draft_group
 
-    def patched(self, reqs, s, kv):
-        orig(self, reqs, s, kv)
+    def patched(self, reqs, s):
+        orig(self, reqs, s)
         for req in reqs:
             k = len(req.draft_tokens)
             fut = truth[tuple(req.prompt_token_ids)][len(req.output_token_ids):][:k]
@@ -103,15 +103,15 @@ def test_device_resident_drafts_reach_verification(tiny_llama_dir, drafters, bas
     """Drafts left on the device as `DraftRow`s (what the draft graph leaves) go through segment
     building, the forward and acceptance like host lists: the oracle's AL is unchanged. Rows
     rotated between requests (another request's drafts) lower it; output is lossless either way."""
-    from tensorrt_llm._torch.speculative.pending_drafts import DraftRow, PendingDrafts
+    from tensorrt_llm._torch.runtime.token_rows import DraftRow, PendingDrafts
     from tensorrt_llm.llmapi.tokenizer import TokenizerWrapper
     tk = TokenizerWrapper(tiny_llama_dir)
     truth = {tuple(tk.encode(p)): t for p, t in zip(PROMPTS, baseline)}
     orig = DSparkWorker._draft_group
     seen = {"rows": 0}
 
-    def patched(self, reqs, s, kv):
-        orig(self, reqs, s, kv)
+    def patched(self, reqs, s):
+        orig(self, reqs, s)
         drafts = []
         for req in reqs:
             k = len(req.draft_tokens)
@@ -196,16 +196,18 @@ def test_unknown_drafter_backend_rejected(tiny_llama_dir, drafters):
 
 
 def _truncating_stats(max_tokens: list[int], k: int) -> tuple[list[int], int]:
-    """(accept histogram, drafted tokens) of an all-accepting oracle when drafts are truncated
-    to the tokens a request may still emit (the behaviour before drafts were kept at K)."""
+    """(accept histogram, drafted tokens) of an all-accepting oracle when drafts are truncated to
+    the ones whose acceptance can be committed: a step may emit cap = m - out tokens, the last of
+    them the target's own, so at most cap - 1 drafts count (#19 defect 10: counting cap drafts
+    recorded a step as cap + 1 tokens when max_tokens cut it)."""
     hist, drafted = [0] * (k + 1), 0
     for m in max_tokens:
         out = 1                                   # the prefill's token
         while out < m:
-            d = min(k, m - out)
+            d = min(k, m - out - 1)
             hist[d] += 1
             drafted += d
-            out += min(d + 1, m - out)
+            out += d + 1
     return hist, drafted
 
 
@@ -219,22 +221,19 @@ def test_full_drafts_near_max_tokens_commit_capped(tiny_llama_dir, drafters, bas
     orig_group, orig_accept = DSparkWorker._draft_group, DSparkWorker.accept
     lengths, uncapped = [], {"hist": None, "drafted": 0}
 
-    def oracle(self, reqs, s, kv):                # drafts = the true future: all accepted
-        orig_group(self, reqs, s, kv)
+    def oracle(self, reqs, s):                # drafts = the true future: all accepted
+        orig_group(self, reqs, s)
         for req in reqs:
             k = len(req.draft_tokens)
             lengths.append(k)
             req.draft_tokens = truth[tuple(req.prompt_token_ids)][len(req.output_token_ids):][:k]
 
-    def counting_accept(self, req, rows, greedy_ids=None, verified=None):
+    def counting_accept(self, req, verified):
         if uncapped["hist"] is None:
             uncapped["hist"] = [0] * (self.max_draft_len + 1)
-        d = list(req.draft_tokens)
-        ids = greedy_ids if greedy_ids is not None else rows.argmax(-1).tolist()
-        a = next((i for i, (x, y) in enumerate(zip(d, ids)) if x != y), len(d))
-        uncapped["hist"][a] += 1
-        uncapped["drafted"] += len(d)
-        return orig_accept(self, req, rows, greedy_ids, verified)
+        uncapped["hist"][len(verified) - 1] += 1          # every verified draft, past the cap too
+        uncapped["drafted"] += len(req.draft_tokens)
+        return orig_accept(self, req, verified)
 
     monkeypatch.setattr(DSparkWorker, "_draft_group", oracle)
     monkeypatch.setattr(DSparkWorker, "accept", counting_accept)
@@ -250,29 +249,11 @@ def test_full_drafts_near_max_tokens_commit_capped(tiny_llama_dir, drafters, bas
     hist, drafted = _truncating_stats(max_tokens, k)
     assert sp["accept_histogram"] == hist and sp["draft_tokens"] == drafted
     assert sp["acceptance_length"] == pytest.approx(1 + sum(i * h for i, h in enumerate(hist)) / sum(hist))
+    # AL counts committed tokens: the verify steps' tokens are every output token but the prefill's
+    assert sum((i + 1) * h for i, h in enumerate(sp["accept_histogram"])) == sum(m - 1 for m in max_tokens)
     # negative control: counting every drafted token (uncapped) gives other statistics
     assert sum(uncapped["hist"]) == sum(hist)
     assert uncapped["hist"] != hist and uncapped["drafted"] > drafted
-
-
-def test_rejection_sampler_config(tiny_llama_dir, drafters):
-    """speculative_config.rejection_sampler reaches the worker; a CUDA-only choice on CPU and an
-    unknown name are rejected with the name in the error."""
-    params = SamplingParams(max_tokens=8, temperature=1.0, seed=4, ignore_eos=True)
-    for name in ("torch", "auto"):
-        with LLM(str(tiny_llama_dir), device="cpu", kv_cache_config={"max_tokens": 512},
-                 speculative_config=_spec(drafters["gqa"], rejection_sampler=name)) as llm:
-            chosen = llm.capacity_report["drafter"]["rejection_sampler"]
-            assert chosen["name"] == "torch", chosen                   # auto on CPU resolves to torch
-            assert ("CUDA device" in chosen["reason"]) == (name == "auto")
-            outs = llm.generate(PROMPTS[:2], params)
-            assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
-    with pytest.raises(ValueError, match="'flashinfer' cannot run"):
-        LLM(str(tiny_llama_dir), device="cpu", kv_cache_config={"max_tokens": 512},
-            speculative_config=_spec(drafters["gqa"], rejection_sampler="flashinfer"))
-    with pytest.raises(ValueError, match="rejection_sampler"):
-        LLM(str(tiny_llama_dir), device="cpu", kv_cache_config={"max_tokens": 512},
-            speculative_config=_spec(drafters["gqa"], rejection_sampler="cuda"))
 
 
 def _two_sample_chi2(a: list, b: list) -> tuple[float, int]:
@@ -283,37 +264,31 @@ def _two_sample_chi2(a: list, b: list) -> tuple[float, int]:
     return sum((ca[c] - cb[c]) ** 2 / (ca[c] + cb[c]) for c in cells), len(cells) - 1
 
 
-def _first_two_tokens(target, drafter, n: int, seed0: int, sampler: str = "auto"):
-    spec = {"speculative_config": _spec(drafter, rejection_sampler=sampler)} if drafter else {}
+def _first_two_tokens(target, drafter, n: int, seed0: int):
+    spec = {"speculative_config": _spec(drafter)} if drafter else {}
     params = [SamplingParams(max_tokens=2, temperature=1.0, top_k=3, seed=seed0 + i, ignore_eos=True)
               for i in range(n)]
     toks, stats = _run(target, [PROMPTS[0]] * n, params, max_batch_size=64, **spec)
     return [tuple(t) for t in toks], stats
 
 
-@pytest.mark.parametrize("sampler", ["torch", "batched"])
-def test_sampled_spec_output_has_the_no_spec_distribution(tiny_llama_dir, drafters, monkeypatch, sampler):
-    """End to end at T > 0: the (first, second) token pairs of DSpark (batched drafting, rejection
-    verification by the per-request torch sampler or the per-step batched one) and of plain
-    sampling are samples of one distribution (two-sample chi2); a verifier that accepts every
-    draft, the control, is far from it."""
-    import tensorrt_llm._torch.speculative.dspark_worker as worker_mod
+def test_sampled_spec_output_has_the_no_spec_distribution(tiny_llama_dir, drafters, monkeypatch):
+    """End to end at T > 0: the (first, second) token pairs of DSpark (batched drafting, the
+    RejectionSampler's verification) and of plain sampling are samples of one distribution
+    (two-sample chi2); a verifier that accepts every draft, the control, is far from it."""
+    import tensorrt_llm._torch.speculative.rejection_sampler as rs
     n = 1200
     plain, _ = _first_two_tokens(tiny_llama_dir, None, n, seed0=0)
-    spec, stats = _first_two_tokens(tiny_llama_dir, drafters["gqa"], n, seed0=n, sampler=sampler)
+    spec, stats = _first_two_tokens(tiny_llama_dir, drafters["gqa"], n, seed0=n)
     assert stats["speculative"]["request_steps"] >= n                  # the second token went through verify
     chi2, dof = _two_sample_chi2(plain, spec)
     crit = dof + 3.1 * (2 * dof) ** 0.5 + 5       # above the p = 0.001 point (26.1 at dof 8; seen: 8.5)
     assert chi2 < crit, (chi2, dof)
 
-    def accept_all(sampler, draft_ids, draft_probs, target_probs, generator):
-        return list(draft_ids) + [int(torch.multinomial(target_probs[len(draft_ids)], 1, generator=generator))]
-
     def accept_all_batched(draft_ids, num_drafts, draft_probs, target_probs, *keys):
         rows = torch.arange(len(num_drafts))
         return num_drafts, torch.multinomial(target_probs[rows, num_drafts], 1).squeeze(-1)
-    monkeypatch.setattr(worker_mod, "run_rejection_accept", accept_all)
-    monkeypatch.setattr(worker_mod, "batched_rejection_accept", accept_all_batched)
-    biased, _ = _first_two_tokens(tiny_llama_dir, drafters["gqa"], n, seed0=n, sampler=sampler)
+    monkeypatch.setattr(rs, "batched_rejection_accept", accept_all_batched)
+    biased, _ = _first_two_tokens(tiny_llama_dir, drafters["gqa"], n, seed0=n)
     chi2_bad, dof_bad = _two_sample_chi2(plain, biased)
     assert chi2_bad > 3 * crit, (chi2_bad, dof_bad)

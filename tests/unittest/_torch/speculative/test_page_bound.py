@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tensorrt_llm._torch.runtime.step import StepCommit
 from tensorrt_llm import DSparkDecodingConfig, SamplingParams
 from tensorrt_llm._torch.attention_backend.interface import BAD_PAGE_INDEX, write_slots
 from tensorrt_llm._torch.attention_backend.resolver import Resolution
@@ -11,10 +12,10 @@ from tensorrt_llm._torch.attention_backend.vanilla import VanillaAttention
 from tensorrt_llm._torch.models.checkpoint import read_config
 from tensorrt_llm._torch.models.modeling_dspark import DSparkForCausalLMBase
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
-from tensorrt_llm._torch.pyexecutor.kv_cache_spec import KVCacheSpec
-from tensorrt_llm._torch.pyexecutor.llm_request import LlmRequest, RequestState
-from tensorrt_llm._torch.pyexecutor.resource_manager import KVCacheManager
-from tensorrt_llm._torch.pyexecutor.sampler import Sampler
+from tensorrt_llm._torch.pyexecutor.kv_cache.kv_cache_spec import KVCacheSpec
+from tensorrt_llm._torch.runtime.llm_request import LlmRequest, RequestState
+from tensorrt_llm._torch.pyexecutor.kv_cache.resource_manager import KVCacheManager
+from tensorrt_llm._torch.runtime.sampler import Sampler
 from tensorrt_llm._torch.speculative.dspark_worker import DSparkWorker
 
 P = 4
@@ -63,14 +64,14 @@ def test_draft_writes_stay_inside_owned_pages(tiny_llama_dir, kind):
     req = _request(1, n_prompt=6, ctx=6)
     # commit 6 context tokens, then ask for a 4-slot block at 6..9: only 6..7 are owned
     captured = torch.randn(6, n_feat)
-    worker.draft_step([(req, 0, 0, 6)], captured, kv)
+    worker.draft([StepCommit(req, 0, 0, 6)], captured)
     others = [p for p in range(kv.num_pages) if p not in own]
     assert torch.equal(pool[:, others], before[:, others]), "a neighbour's page changed"
     assert not torch.equal(pool[:, own], before[:, own]), "own pages were not written"
     assert len(req.draft_tokens) <= 2                      # block clamped to 2 slots -> drafts less
     # commit beyond the owned pages: skipped and counted, neighbours still intact
     req.num_computed = 8
-    worker.draft_step([(req, 0, 4, 6)], torch.randn(6, n_feat), kv)
+    worker.draft([StepCommit(req, 0, 4, 6)], torch.randn(6, n_feat))
     assert torch.equal(pool[:, others], before[:, others])
     assert worker.stats()["page_bound_skipped_writes"] >= 2
     assert kv.seqs[1].num_draft_valid_tokens <= 8

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from tensorrt_llm._torch.pyexecutor.block_pool import BlockPool, chain_hash
+from tensorrt_llm._torch.pyexecutor.kv_cache.block_pool import BlockPool, chain_hash
 
 
 def test_allocate_release_and_ref_counts():

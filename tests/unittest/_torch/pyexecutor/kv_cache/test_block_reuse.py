@@ -16,9 +16,10 @@ from tensorrt_llm import SamplingParams
 from tensorrt_llm._torch.models.checkpoint import read_config
 from tensorrt_llm._torch.models.modeling_dspark import DSparkForCausalLMBase
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
-from tensorrt_llm._torch.pyexecutor.block_pool import BlockPool, chain_hash
-from tensorrt_llm._torch.pyexecutor.kv_cache_spec import KVCacheSpec
-from tensorrt_llm._torch.pyexecutor.resource_manager import KVCacheManager
+from tensorrt_llm._torch.pyexecutor.kv_cache.block_pool import BlockPool, chain_hash
+from tensorrt_llm._torch.pyexecutor.kv_cache.kv_cache_spec import KVCacheSpec
+from tensorrt_llm._torch.pyexecutor.kv_cache.resource_manager import KVCacheManager
+from tensorrt_llm._torch.runtime.step import StepCommit
 from tensorrt_llm._torch.speculative.dspark_worker import DSparkWorker
 
 P = 8
@@ -271,13 +272,13 @@ def _zero_reused_draft_pages(monkeypatch):
 
 
 def _tail_from_position_zero(monkeypatch):
-    orig = DSparkWorker.draft_step
+    orig = DSparkWorker.draft
 
-    def broken(self, committed, captured, kv):
-        committed = [(r, row0, start - r.num_cached_prompt if start < r.prompt_len else start, n)
-                     for r, row0, start, n in committed]
-        return orig(self, committed, captured, kv)
-    monkeypatch.setattr(DSparkWorker, "draft_step", broken)
+    def broken(self, commits, captured):
+        commits = [StepCommit(c.req, c.row0, c.start - c.req.num_cached_prompt if c.start < c.req.prompt_len
+                              else c.start, c.count) for c in commits]
+        return orig(self, commits, captured)
+    monkeypatch.setattr(DSparkWorker, "draft", broken)
 
 
 def _partial_hit(make_llm, target, drafter, snaps, monkeypatch, breakage=None):
@@ -339,9 +340,9 @@ def _bad_hashed_blocks(kv: KVCacheManager, sequences) -> list:
     return [b for b in _hashed(kv) if expected.get(b.block_hash) != b.token_ids]
 
 
-def _accept_all(self, req, rows, greedy_ids=None, verified=None):
-    """Broken verifier: trusts every draft."""
-    out = list(req.draft_tokens) + [int(rows[len(req.draft_tokens)].argmax())]
+def _accept_all(self, req, verified):
+    """Broken verifier: trusts every draft (then appends the verified row's last token)."""
+    out = list(req.draft_tokens) + [verified[-1]]
     self.stats_.record(len(out) - 1, len(req.draft_tokens))
     req.draft_tokens, req.draft_probs = [], None
     return out
@@ -372,8 +373,8 @@ def test_stop_inside_accepted_run_publishes_no_short_block(make_llm, tiny_llama_
         prompt, SamplingParams(max_tokens=24, ignore_eos=True)).outputs[0].token_ids
     orig = DSparkWorker._draft_group
 
-    def oracle(self, reqs, s, kv):
-        orig(self, reqs, s, kv)
+    def oracle(self, reqs, s):
+        orig(self, reqs, s)
         for req in reqs:
             k = len(req.draft_tokens)
             req.draft_tokens = (base[len(req.output_token_ids):] + [7] * k)[:k]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tensorrt_llm._torch.pyexecutor.kv_cache_spec import KVCacheSpec, split_budget
+from tensorrt_llm._torch.pyexecutor.kv_cache.kv_cache_spec import KVCacheSpec, split_budget
 
 P = 64
 TARGET_FP8 = KVCacheSpec("target", "gqa", 30, 2, 3, 64, torch.float8_e4m3fn)

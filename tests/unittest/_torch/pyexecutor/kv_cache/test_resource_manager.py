@@ -8,8 +8,8 @@ import torch
 import tensorrt_llm._torch.pyexecutor.model_engine as model_engine
 from tensorrt_llm import SamplingParams
 from tensorrt_llm._torch.attention_backend.interface import BAD_PAGE_INDEX
-from tensorrt_llm._torch.pyexecutor.kv_cache_spec import KVCacheSpec, kv_dtype_from_name, split_budget
-from tensorrt_llm._torch.pyexecutor.resource_manager import KVCacheManager
+from tensorrt_llm._torch.pyexecutor.kv_cache.kv_cache_spec import KVCacheSpec, kv_dtype_from_name, split_budget
+from tensorrt_llm._torch.pyexecutor.kv_cache.resource_manager import KVCacheManager
 
 CPU = torch.device("cpu")
 P = 16
@@ -110,15 +110,15 @@ def test_split_budget_token_parity_and_dtype():
 def test_real_steps_metadata_invariants(tiny_llama_dir, make_llm, monkeypatch):
     """Every real step: table rows = owned pages then BAD_PAGE_INDEX, slots inside owned pages."""
     records = []
-    orig = model_engine.build_metadata
+    orig = KVCacheManager.attention_metadata
 
-    def spy(kv, request_ids, starts, lengths, causal, device, slot_lists=None):
-        md = orig(kv, request_ids, starts, lengths, causal, device, slot_lists)
+    def spy(kv, request_ids, starts, lengths, causal):
+        md = orig(kv, request_ids, starts, lengths, causal)
         records.append((list(request_ids), list(starts), list(lengths),
                         [list(kv.seqs[r].pages) for r in request_ids], md, kv.num_pages))
         return md
 
-    monkeypatch.setattr(model_engine, "build_metadata", spy)
+    monkeypatch.setattr(KVCacheManager, "attention_metadata", spy)
     llm = make_llm(tiny_llama_dir, max_num_tokens=24)
     kv = llm._bundle.kv
     kv.pool.free_queue.move_to_end(0)
@@ -191,8 +191,8 @@ def test_capacity_from_cpu_budget(tiny_llama_dir, make_llm):
 
 def test_export_import_pages_round_trip_per_request():
     """Pages are addressable per request: export from one manager, import into another's own pages."""
-    from tensorrt_llm._torch.pyexecutor.kv_cache_spec import KVCacheSpec
-    from tensorrt_llm._torch.pyexecutor.resource_manager import KVCacheManager
+    from tensorrt_llm._torch.pyexecutor.kv_cache.kv_cache_spec import KVCacheSpec
+    from tensorrt_llm._torch.pyexecutor.kv_cache.resource_manager import KVCacheManager
     specs = [KVCacheSpec("target", "gqa", 2, 2, 2, 8, torch.float32),
              KVCacheSpec("draft", "mla", 1, 1, 1, 12, torch.float32)]
     src = KVCacheManager(specs, 8, 4, 64, torch.device("cpu"))

@@ -1,11 +1,10 @@
-"""The "batched" rejection sampler (`batched_rejection.py`) and its wiring, on the CPU.
+"""RejectionSampler (`rejection_sampler.py`), the one verification path, on the CPU.
 
 Distribution: the committed first and second tokens follow the target and the accepted-count
-histogram follows the closed form (chi-square, as test_spec_sampling.py does for flashinfer), with
-the control of a drafter that lies about its probabilities (it accepts every draft). Batch
-invariance: a request commits the same tokens alone and among others with other draft counts.
-Wiring: the worker's per-request and per-step entries agree, the executor uses the step entry, and
-the seeded end-to-end run repeats.
+histogram follows the closed form (chi-square), with the control of a drafter that lies about its
+probabilities (it accepts every draft). Greedy rows equal the per-request oracle (`oracle.py`).
+Batch invariance: a request commits the same tokens alone and among others (greedy and random rows
+mixed, other draft counts). Out-of-vocab drafts are never accepted. The engine's seeded run repeats.
 """
 from __future__ import annotations
 
@@ -13,13 +12,17 @@ import pytest
 import torch
 
 from tensorrt_llm import LLM, SamplingParams
-from tensorrt_llm._torch.pyexecutor.sampler import Sampler, draw_key, processed_rows
-from tensorrt_llm._torch.speculative.batched_rejection import (accept_uniforms, batched_rejection_accept,
-                                                                fine_uniforms)
-from tensorrt_llm._torch.speculative.spec_sampling import resolve_rejection_sampler, run_rejection_accept
+from oracle import CHI2_P999, K, V, dists, emitted_probs, greedy_accept, histograms
+from oracle import chi2 as _chi2
 from test_dspark_engine import drafters  # noqa: F401  (module fixture)
-from test_spec_sampling import (CHI2_P999, CPU, K, V, _chi2, _dists, _emitted_probs, _histograms,
-                                _sampled_request, _worker)
+
+from tensorrt_llm._torch.runtime.sampler import Sampler, draw_key
+from tensorrt_llm._torch.speculative.rejection_sampler import (RejectionSampler, SpecDecodeMetadata, accept_uniforms,
+                                                               batched_rejection_accept, fine_uniforms,
+                                                               stack_verify_rows)
+
+CPU = torch.device("cpu")
+_dists, _emitted_probs, _histograms = dists, emitted_probs, histograms
 
 
 def _keys(seeds: range, draw: int) -> torch.Tensor:
@@ -105,52 +108,99 @@ def test_a_request_commits_the_same_alone_and_in_a_batch():
         batched_rejection_accept(d, n, q, p[:, :K], ak, rk)
 
 
-def test_worker_step_and_single_entries_agree(tiny_llama_dir):
-    assert resolve_rejection_sampler(CPU, "batched").name == "batched"
-    with pytest.raises(ValueError, match="no per-request entry"):
-        run_rejection_accept("batched", [0], torch.ones(1, V) / V, torch.ones(2, V) / V, None)
-    g = torch.Generator().manual_seed(4)
-    rows = [torch.randn(k + 1, V, generator=g) for k in (K, 1, K)]
-    qs = [torch.softmax(torch.randn(max(k, 1), V, generator=g), -1) for k in (K, 1, K)]
-    drafts = [[0, 1, 2], [5], [7, 7, 7]]
-
-    def reqs():
-        return [_sampled_request(rid, d, q[:len(d)]) for rid, d, q in zip((1, 2, 3), drafts, qs)]
-    step = _worker(tiny_llama_dir, CPU, "batched")
-    batch = reqs()
-    pre = step.verify_batch(list(zip(batch, rows)))
-    outs = [step.accept(r, x, verified=pre[r.request_id]) for r, x in zip(batch, rows)]
-    single = _worker(tiny_llama_dir, CPU, "batched")
-    assert outs == [single.accept(r, x) for r, x in zip(reqs(), rows)]    # one at a time: same tokens
-    assert all(1 <= len(o) <= len(d) + 1 and o[:-1] == d[:len(o) - 1] for o, d in zip(outs, drafts))
-    assert step.stats_.as_dict()["request_steps"] == 3
-    with pytest.raises(ValueError, match="request 1: 3 target rows for 3 drafts"):
-        step.verify_batch([(reqs()[0], rows[0][:3])])
-    torch_worker = _worker(tiny_llama_dir, CPU, "torch")
-    assert torch_worker.verify_batch(list(zip(reqs(), rows))) == {}         # other samplers: per request
-    # the step entry used the processed (temperature 1) target rows: a hand-built call agrees
-    p0 = processed_rows(rows[0], [SamplingParams(temperature=1.0)] * (K + 1))
-    fresh = Sampler(0, CPU)
-    params = [SamplingParams(max_tokens=16, temperature=1.0, seed=11)]
-    ak, rk = fresh.stream_keys([1], params, "verify", CPU), fresh.stream_keys([1], params, "verify", CPU)
-    a, t = batched_rejection_accept(torch.tensor([drafts[0]]), torch.tensor([K]), qs[0][None], p0[None], ak, rk)
-    assert outs[0] == drafts[0][:int(a)] + [int(t)]
+def _meta(logits, drafts, params, probs=None, rids=None):
+    k = logits.shape[1] - 1
+    ids = torch.tensor([d + [0] * (k - len(d)) for d in drafts], dtype=torch.int64)
+    return SpecDecodeMetadata(rids or list(range(len(drafts))), params, ids,
+                              torch.tensor([len(d) for d in drafts]), logits, probs)
 
 
-def test_engine_runs_batched_verification_and_repeats_per_seed(tiny_llama_dir, drafters, monkeypatch):
-    import tensorrt_llm._torch.speculative.dspark_worker as worker_mod
+def _rows(out: torch.Tensor) -> list[list[int]]:
+    return [[t for t in r if t != -1] for r in out.tolist()]
+
+
+def test_greedy_rows_equal_the_oracle():
+    g = torch.Generator().manual_seed(7)
+    greedy = SamplingParams(max_tokens=8)
+    for trial in range(50):
+        b = 1 + trial % 5
+        logits = torch.randn(b, K + 1, V, generator=g)
+        target = logits.argmax(-1)
+        # drafts agree with the target for a random prefix, then differ; some requests draft fewer
+        drafts = []
+        for i in range(b):
+            n = int(torch.randint(0, K + 1, (1,), generator=g))
+            agree = int(torch.randint(0, n + 1, (1,), generator=g))
+            d = target[i, :n].tolist()
+            if agree < n:
+                d[agree] = (d[agree] + 1) % V
+            drafts.append(d)
+        out = _rows(RejectionSampler(Sampler(0, CPU)).forward(_meta(logits, drafts, [greedy] * b)))
+        assert out == [greedy_accept(d, logits[i, :len(d) + 1]) for i, d in enumerate(drafts)]
+    # control: a sampler that accepts every draft disagrees with the oracle
+    d = [(target[0, :K] + 1) % V]
+    assert greedy_accept(d[0].tolist(), logits[0]) != d[0].tolist() + [int(target[0, K])]
+
+
+def test_greedy_and_random_rows_in_one_step_equal_each_alone():
+    g = torch.Generator().manual_seed(8)
+    b = 6
+    logits = torch.randn(b, K + 1, V, generator=g)
+    q = torch.softmax(torch.randn(b, K, V, generator=g), -1)
+    params = [SamplingParams(max_tokens=8) if i % 2 else SamplingParams(max_tokens=8, temperature=0.9, seed=i)
+              for i in range(b)]
+    drafts = [torch.multinomial(q[i], 1, generator=g).view(-1).tolist()[:1 + i % K] for i in range(b)]
+    probs = [None if p.greedy else q[i, :len(drafts[i])] for i, p in enumerate(params)]
+    together = _rows(RejectionSampler(Sampler(0, CPU)).forward(_meta(logits, drafts, params, probs)))
+    for i in range(b):
+        n = len(drafts[i])
+        alone = _rows(RejectionSampler(Sampler(0, CPU)).forward(
+            SpecDecodeMetadata([i], [params[i]], torch.tensor([drafts[i]]), torch.tensor([n]),
+                               logits[i:i + 1, :n + 1], [probs[i]])))[0]
+        assert alone == together[i]
+    # control: other seeds move some random row
+    other = [p if p.greedy else SamplingParams(max_tokens=8, temperature=0.9, seed=100 + i) for i, p in enumerate(params)]
+    moved = _rows(RejectionSampler(Sampler(0, CPU)).forward(_meta(logits, drafts, other, probs)))
+    assert moved != together and all(moved[i] == together[i] for i in range(1, b, 2))
+
+
+def test_out_of_vocab_drafts_are_never_accepted():
+    """#19 defect 6: the old batched path clamped -1 / V+1 to a valid id, accepted it, and committed
+    the raw id; the old torch path wrapped -1 to V-1. Now such a draft is rejected there."""
+    logits = torch.zeros(2, K + 1, V)
+    logits[:, :, V - 1] = 10.0                                  # the target wants V-1 everywhere
+    greedy, hot = SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, temperature=1.0, seed=1)
+    for params in (greedy, hot):
+        out = _rows(RejectionSampler(Sampler(0, CPU)).forward(_meta(logits, [[-1, V - 1], [V + 1, 2]], [params] * 2)))
+        assert all(0 <= t < V for r in out for t in r)
+        assert [r[0] for r in out] == [V - 1, V - 1]            # rejected at 0, the target's token
+    # control: an in-vocab draft equal to the target's choice is accepted
+    ok = _rows(RejectionSampler(Sampler(0, CPU)).forward(_meta(logits[:1], [[V - 1] * K], [greedy])))
+    assert ok == [[V - 1] * (K + 1)]
+
+
+def test_stack_verify_rows_pads_short_requests_with_their_last_row():
+    x = torch.arange(10.0).view(10, 1)
+    assert stack_verify_rows(x, [0, 4], [4, 4]).view(2, 4).tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert stack_verify_rows(x, [5, 0], [2, 4]).view(2, 4).tolist() == [[5, 6, 6, 6], [0, 1, 2, 3]]
+    with pytest.raises(ValueError, match="SpecDecodeMetadata shapes"):
+        SpecDecodeMetadata([0], [SamplingParams()], torch.zeros(1, 2, dtype=torch.long), torch.tensor([2]),
+                           torch.zeros(1, 2, V))
+
+
+def test_engine_verifies_sampled_requests_in_one_call_and_repeats_per_seed(tiny_llama_dir, drafters, monkeypatch):
+    import tensorrt_llm._torch.speculative.rejection_sampler as rs
     widths: list[int] = []
-    real = worker_mod.batched_rejection_accept
-    monkeypatch.setattr(worker_mod, "batched_rejection_accept",
+    real = rs.batched_rejection_accept
+    monkeypatch.setattr(rs, "batched_rejection_accept",
                         lambda ids, *rest: (widths.append(ids.shape[0]), real(ids, *rest))[1])
-    spec = {"decoding_type": "DSpark", "speculative_model": str(drafters["gqa"]), "rejection_sampler": "batched"}
+    spec = {"decoding_type": "DSpark", "speculative_model": str(drafters["gqa"])}
     params = [SamplingParams(max_tokens=12, temperature=0.8, seed=100 + i, ignore_eos=True) for i in range(6)]
     prompts = ["the quick brown fox", "once upon a time", "paris is", "hello", "a b c", "one two"]
 
     def run(order):
         with LLM(str(tiny_llama_dir), device="cpu", kv_cache_config={"max_tokens": 2048},
                  speculative_config=spec, max_batch_size=8) as llm:
-            assert llm._executor.spec.rejection.name == "batched"
             outs = llm.generate([prompts[i] for i in order], [params[i] for i in order])
             steps = llm.get_stats()["speculative"]["request_steps"]
         return {i: o.outputs[0].token_ids for i, o in zip(order, outs)}, steps

@@ -1,13 +1,14 @@
-"""Greedy acceptance, lossless rejection sampling (chi-square), and the AL formula."""
+"""The test oracle itself: rejection sampling follows the target (chi-square) with a biased control;
+the greedy oracle's prefix rule; the AL formula."""
 from __future__ import annotations
 
 import torch
 
-from tensorrt_llm._torch.speculative.accept_stats import AcceptStats
-from tensorrt_llm._torch.speculative.verification import greedy_accept, rejection_accept
+from oracle import CHI2_P999, chi2, greedy_accept, rejection_accept
 
-V = 6
-CHI2_DF5_P999 = 20.52
+from tensorrt_llm._torch.speculative.accept_stats import AcceptStats
+
+V6 = 6
 
 
 def _onehot_logits(ids):
@@ -23,16 +24,11 @@ def test_greedy_accept_prefix_and_bonus():
     assert greedy_accept([], _onehot_logits([3])) == [3]
 
 
-def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    exp = probs * counts.sum()
-    return float(((counts - exp) ** 2 / exp.clamp(min=1e-9)).sum())
-
-
-def _run(trials: int, accept_fn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _run(trials: int, accept_fn):
     g = torch.Generator().manual_seed(0)
-    p = torch.softmax(torch.randn(3, V, generator=g) * 1.5, -1)   # target, per position
-    q = torch.softmax(torch.randn(2, V, generator=g) * 1.5, -1)   # drafter, per position
-    first, second = torch.zeros(V), torch.zeros(V)
+    p = torch.softmax(torch.randn(3, V6, generator=g) * 1.5, -1)
+    q = torch.softmax(torch.randn(2, V6, generator=g) * 1.5, -1)
+    first, second = torch.zeros(V6), torch.zeros(V6)
     for _ in range(trials):
         d = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(2)]
         out = accept_fn(d, q, p, g)
@@ -44,15 +40,15 @@ def _run(trials: int, accept_fn) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 def test_rejection_sampling_matches_target_distribution():
     first, second, p, _ = _run(20000, rejection_accept)
-    assert _chi2(first, p[0]) < CHI2_DF5_P999
-    assert _chi2(second, p[1]) < CHI2_DF5_P999
+    assert chi2(first, p[0]) < CHI2_P999[5]
+    assert chi2(second, p[1]) < CHI2_P999[5]
 
 
 def test_naive_acceptance_is_biased_negative_control():
     def accept_always(d, q, p, g):   # wrong: keeps the draft's distribution
         return list(d) + [int(torch.multinomial(p[2], 1, generator=g))]
-    first, _, p, q = _run(20000, accept_always)
-    assert _chi2(first, p[0]) > 10 * CHI2_DF5_P999
+    first, _, p, _ = _run(20000, accept_always)
+    assert chi2(first, p[0]) > 10 * CHI2_P999[5]
 
 
 def test_acceptance_length_formula():
