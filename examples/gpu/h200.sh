@@ -1,6 +1,15 @@
 #!/usr/bin/env bash
 # H200 runs of this repo, one stage per device call (the device keeps /tmp between back-to-back
-# calls; training runs detached between them). Carried inputs (git-ignored):
+# calls; training runs detached between them).
+# Current layout (examples/gpu/prepare_carry.sh builds carry/p1..pN here and prints the call plan; the
+# tracked drafter weights must be parked first, the tree alone is over a call's 64 MiB):
+#   setup      : one carry part per call, back to back: run(command="bash examples/gpu/h200.sh setup", carry=["carry/pK"])
+#                (= `. examples/gpu/device_setup.sh`: wheels -> /tmp/site, target -> /tmp/models, drafters,
+#                MT-Bench prompts -> /tmp/carry); every later stage sources it again (idempotent), so M is
+#                /tmp/models/smollm2-135m-instruct once the target is fetched
+#   sidebyside : HF / no-spec / DSpark-GQA / DSpark-MLA in one process, 3 rotated rounds, C = 1 16 64
+#                (examples/gpu/sidebyside.py; SBS="--rounds 0 --anchor" for the warm-up call, SBS="--anchor" after)
+# Older stages, older carried inputs (git-ignored; nothing builds these any more, kept for the training runs):
 #   .whl_gpu             flashinfer + pydantic wheels, prebuilt flashinfer kernels (aot/*.so)
 #   .device_carry/model_a  first part of the SmolLM2 GGUF
 #   .device_carry/model_b  second GGUF part, gguf wheel, eval prompts, ShareGPT prompts (.json.gz),
@@ -33,9 +42,10 @@
 #             GQA drafter
 set -uo pipefail
 STAGE=$1
+[[ -f examples/gpu/device_setup.sh ]] && . examples/gpu/device_setup.sh   # no-op where /tmp already has it all
 export PYTHONPATH=/tmp/site:$PWD CUDA_HOME=/usr/local/cuda MAX_JOBS=16 FLASHINFER_WORKSPACE_BASE=/tmp/fiws
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-M=$HOME/.cache/tensorrt_llm/models/smollm2-135m-instruct RUNS=${RUNS:-/tmp/runs} T0=$(date +%s)
+[[ -f ${M:-}/config.json ]] || M=$HOME/.cache/tensorrt_llm/models/smollm2-135m-instruct; RUNS=${RUNS:-/tmp/runs} T0=$(date +%s)
 stamp() { echo "[h200 $STAGE +$(( $(date +%s) - T0 ))s] $*"; }
 split_out() {  # split_out FILE PREFIX : parts < 16 MB into $OUT
   split -b 15000000 -d "$1" "$OUT/$2"; ls -la "$OUT" | grep "$2"; }
@@ -47,6 +57,9 @@ progress() {
   for b in gqa mla; do [[ -f $RUNS/$b/train.log ]] && tail -c 300 $RUNS/$b/train.log | tr '\r' '\n' | tail -n 2; done
   nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader; }
 case "$STAGE" in
+setup) ;;   # device_setup.sh ran above
+sidebyside)
+  timeout 590 python3 examples/gpu/sidebyside.py --out $OUT ${SBS:-} ;;
 install)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl_gpu/*.whl || exit 1
   for so in .whl_gpu/aot/*.so; do n=$(basename "$so" .so); mkdir -p /tmp/site/flashinfer/data/aot/$n; cp "$so" /tmp/site/flashinfer/data/aot/$n/; done

