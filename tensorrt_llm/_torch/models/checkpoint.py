@@ -40,7 +40,8 @@ def require(cfg: dict[str, Any], key: str, source: str, kind: type = int) -> Any
 
 
 def read_safetensors(folder: str | Path) -> dict[str, torch.Tensor]:
-    """Load every `*.safetensors` file of a folder into one CPU state dict."""
+    """Load every `*.safetensors` file of a folder into one CPU state dict; a floating-point
+    tensor holding NaN or Inf raises (naming file and tensor) instead of loading silently."""
     d = Path(folder)
     files = sorted(d.glob("*.safetensors"))
     if not files:
@@ -53,11 +54,21 @@ def read_safetensors(folder: str | Path) -> dict[str, torch.Tensor]:
                     if k in out:
                         raise ValueError(f"{f}: tensor {k!r} appears in more than one file")
                     out[k] = sf.get_tensor(k)
+                    _check_finite(out[k], f, k)
         except ValueError:
             raise
         except Exception as e:  # safetensors raises its own error types
             raise ValueError(f"{f}: cannot read safetensors: {e}") from e
     return out
+
+
+def _check_finite(t: torch.Tensor, file: Path, name: str) -> None:
+    if not t.is_floating_point():
+        return
+    finite = torch.isfinite(t if t.element_size() > 1 else t.float())   # fp8: no isfinite kernel
+    if not bool(finite.all()):
+        bad = int((~finite).sum())
+        raise ValueError(f"{file}: tensor {name!r} has {bad} non-finite value(s) (NaN/Inf) of {t.numel()}")
 
 
 def load_state_dict_strict(model: nn.Module, state: dict[str, torch.Tensor], source: str,

@@ -116,6 +116,17 @@ def test_untied_lm_head_is_loaded_not_ignored(tiny_checkpoint_copy):
         _load(tiny_checkpoint_copy)
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_weight_names_file_and_tensor(tiny_checkpoint_copy, value):
+    """Issue #19 item 7: a NaN/Inf target weight used to load silently (and generate garbage); it
+    raises naming the file and the tensor. Negative control: test_good_checkpoint_still_loads."""
+    name = "model.layers.1.mlp.down_proj.weight"
+    _edit_tensors(tiny_checkpoint_copy, lambda s: s[name].__setitem__((3, 5), value))
+    with pytest.raises(ValueError, match=r"model\.safetensors: tensor 'model\.layers\.1\.mlp\.down_proj\.weight' "
+                                         r"has 1 non-finite value\(s\) \(NaN/Inf\) of 8192"):
+        _load(tiny_checkpoint_copy)
+
+
 def test_good_checkpoint_still_loads(tiny_checkpoint_copy):
     llm = _load(tiny_checkpoint_copy)
     try:

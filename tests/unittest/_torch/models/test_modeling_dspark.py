@@ -324,6 +324,19 @@ def test_reject_missing_tensor(target, tmp_path):
         load(tmp_path)
 
 
+@pytest.mark.parametrize("kind,value", [("gqa", float("nan")), ("mla", float("-inf"))])
+def test_reject_non_finite_weight(kind, value, target, tmp_path):
+    """Issue #19 item 7: a drafter with a NaN/Inf weight used to load silently (and then accept no
+    draft, AL 1.0 forever); it raises naming the file and the tensor. Negative control: the same
+    checkpoint before the edit loads."""
+    save(kind, target, tmp_path)
+    load(tmp_path)
+    edit_state(tmp_path, lambda s: s["layers.1.mlp.up_proj.weight"].__setitem__((2, 3), value))
+    with pytest.raises(ValueError, match=r"model\.safetensors: tensor 'layers\.1\.mlp\.up_proj\.weight' "
+                                         r"has 1 non-finite"):
+        load(tmp_path)
+
+
 def test_reject_unexpected_tensor(target, tmp_path):
     save("gqa", target, tmp_path)
     edit_state(tmp_path, lambda s: s.__setitem__("embed_tokens.weight", torch.zeros(VOCAB, HIDDEN)))
