@@ -278,7 +278,10 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, source_sha256: s
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ValueError(f"output folder {str(out_dir)!r} is not empty; refusing to overwrite")
     start = time.perf_counter()
-    reader = GGUFReader(gguf_path)
+    try:
+        reader = GGUFReader(gguf_path)
+    except Exception as e:  # the gguf package raises bare ValueError / IndexError on other files
+        raise ValueError(f"{gguf_path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
     meta = read_metadata(reader)
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
     config = build_config(meta, shapes)
@@ -335,7 +338,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("out_dir", type=Path, help="output folder (created; must be empty if it exists)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    out = convert_gguf(args.gguf, args.out_dir)
+    try:
+        out = convert_gguf(args.gguf, args.out_dir)
+    except ValueError as e:     # a bad input: one line naming it, no traceback
+        print(f"trtllm-convert-gguf: error: {e}", file=sys.stderr)
+        return 1
     print(out.resolve())
     return 0
 

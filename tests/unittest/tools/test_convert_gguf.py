@@ -183,3 +183,15 @@ def test_cli_prints_output_folder_last(tiny_gguf, tmp_path, capsys):
     src = tiny_gguf()
     assert main([str(src.path), str(tmp_path / "cli")]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == str((tmp_path / "cli").resolve())
+
+
+@pytest.mark.parametrize("content", [b"hello, not a gguf file\n", b"GGUF\x03\x00\x00\x00"], ids=["text", "truncated"])
+def test_cli_on_a_non_gguf_file_prints_one_error_naming_it(tmp_path, capsys, content):
+    """Issue #19 item 11: a non-GGUF input used to end in a traceback from the gguf package without
+    the file name; now one line names the file, the exit code is non-zero and nothing is written."""
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(content)
+    assert main([str(bad), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("trtllm-convert-gguf: error: ") and str(bad) in err[0]
+    assert "not a readable GGUF file" in err[0] and not (tmp_path / "out").exists()
