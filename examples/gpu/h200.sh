@@ -8,7 +8,7 @@
 #                MT-Bench prompts -> /tmp/carry); every later stage sources it again (idempotent), so M is
 #                /tmp/models/smollm2-135m-instruct once the target is fetched
 #   sidebyside : HF / no-spec / DSpark-GQA / DSpark-MLA in one process, 3 rotated rounds, C = 1 16 64
-#                (examples/gpu/sidebyside.py; SBS="--rounds 0 --anchor" for the warm-up call, SBS="--anchor" after)
+#                (examples/gpu/sidebyside.py; SBS="--rounds 0 --anchor" for the warm-up call, then no SBS)
 # Older stages, older carried inputs (git-ignored; nothing builds these any more, kept for the training runs):
 #   .whl_gpu             flashinfer + pydantic wheels, prebuilt flashinfer kernels (aot/*.so)
 #   .device_carry/model_a  first part of the SmolLM2 GGUF

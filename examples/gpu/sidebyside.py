@@ -9,14 +9,15 @@ it exports PYTHONPATH / FLASHINFER_WORKSPACE_BASE and puts the model, drafters a
   1. the last carry part + warm-up (flashinfer JIT into /tmp/fiws, HF torch.compile into /tmp, anchor):
      run(command=". examples/gpu/device_setup.sh && python3 examples/gpu/sidebyside.py --rounds 0 --anchor --out $OUT",
          carry=["carry/pN"], timeout_s=600)
-  2. the measurement (no carry: the tree without the drafter weights, ~10 MiB):
-     run(command=". examples/gpu/device_setup.sh && python3 examples/gpu/sidebyside.py --anchor --out $OUT",
+     (keep that call's $OUT: the anchor's table is in it; the anchor runs alone on the GPU, before the arms)
+  2. the measurement (no carry: the tree without the drafter weights, ~2.5 MiB):
+     run(command=". examples/gpu/device_setup.sh && python3 examples/gpu/sidebyside.py --out $OUT",
          carry=[], timeout_s=600)
   Fewer arms or levels: --arms nospec,gqa --concurrency 1 16; another drafter: --gqa DIR; extra engine
   args for all engine arms: --extra-yaml 'batch_wait_timeout_iters: 8'.
 Rough time of (2) on one H200 at the 2026-12-01 speeds: ~60 s per round of the four arms, plus building
-the three engines and loading HF (~1-2 min warm), plus the anchor (6 compiled shapes, ~2-4 min;
-drop --anchor to save it).
+the three engines and compiling HF (~1-2 min with warm caches); --deadline-s (default 540) starts no
+round that would end past it, and the JSON / markdown are rewritten after every round.
 """
 from __future__ import annotations
 
@@ -83,6 +84,8 @@ def build_argv(a: argparse.Namespace) -> list[str]:
         argv += ["--anchor", str(HERE / "compiled_step_anchor.py")]
     if a.out:
         argv += ["--out", a.out]
+    if a.deadline_s:
+        argv += ["--deadline-s", str(a.deadline_s)]
     return argv
 
 
@@ -105,6 +108,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--kv-tokens", type=int, default=262144, help="kv_cache_config.max_tokens of each engine arm")
     ap.add_argument("--extra-yaml", default=None, help="YAML mapping merged into every engine arm's args")
     ap.add_argument("--anchor", action="store_true", help="also run compiled_step_anchor.py once")
+    ap.add_argument("--deadline-s", type=float, default=540, help="see tensorrt_llm/bench/sidebyside.py")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     a.gqa = a.gqa or drafter_dir("gqa")

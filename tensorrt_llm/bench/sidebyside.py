@@ -19,7 +19,8 @@ the acceptance length (AL, speculative arms), and the ratio of the median tok/s 
 reference arm (``--ratio-to``). ``--anchor FILE`` also runs the compiled-step anchor script (a
 gpt-fast-style step, random weights) once in a subprocess and reports its step-only ceiling
 (batch x 1000 / decode-step ms). The JSON report and the markdown table are rewritten after
-every round, so a run cut short still leaves its complete rounds.
+every round, so a run cut short still leaves its complete rounds; ``--deadline-s`` starts no round
+that would end past it (judged by the last round's time).
 """
 from __future__ import annotations
 
@@ -261,7 +262,13 @@ def run_sidebyside(args: argparse.Namespace, arms: Sequence[Arm], report_cb=None
                     for c in args.concurrency:   # compiles the static-cache step per batch shape
                         hf_models[arm.name].generate(level_requests(prompts, c, 1, 1)[:c], args.max_tokens)
                     mark(f"loaded + warmed {arm.name}")
+            round_s = 0.0
             for r in range(args.rounds):
+                elapsed = time.perf_counter() - t0
+                if args.deadline_s is not None and r > 0 and elapsed + 1.1 * round_s > args.deadline_s:
+                    mark(f"stopped before round {r}: {elapsed:.0f} s + a {round_s:.0f} s round > --deadline-s")
+                    break
+                r0 = time.perf_counter()
                 for pos, arm in enumerate(rotated(arms, r)):
                     for c in args.concurrency:
                         reqs = level_requests(prompts, c, args.waves, args.min_requests)
@@ -274,7 +281,8 @@ def run_sidebyside(args: argparse.Namespace, arms: Sequence[Arm], report_cb=None
                         report["rows"].append(row)
                         logger.warning("round %d %s C=%d: %.0f tok/s%s", r, arm.name, c, row["output_tok_s"],
                                        f", AL {_al(row):.2f}" if _al(row) else "")
-                mark(f"round {r} done")
+                round_s = time.perf_counter() - r0
+                mark(f"round {r} done ({round_s:.0f} s)")
                 report["summary"] = summarize(report["rows"], [a.name for a in arms], args.ratio_to)
                 if report_cb is not None:
                     report_cb(report)
@@ -322,6 +330,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--hf-static-cache", action=argparse.BooleanOptionalAction, default=None,
                    help="HF static cache (+ torch.compile); default on CUDA only")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="start no round that would end past this many seconds from the start (whole rounds only)")
     p.add_argument("--ratio-to", default=None, help="arm whose median tok/s the others are divided by")
     p.add_argument("--anchor", default=None, help="compiled-step anchor script to run once (CUDA)")
     p.add_argument("--anchor-shapes", nargs="+", default=list(ANCHOR_SHAPES))

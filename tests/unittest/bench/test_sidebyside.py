@@ -134,3 +134,16 @@ def test_rounds_zero_builds_and_warms_only(tiny_llama_dir, tmp_path):
     rep = sbs.run_sidebyside(args, [sbs.parse_arm(f"a={engine}")])
     assert rep["rows"] == [] and rep["summary"] == []
     assert [t["event"] for t in rep["timeline"]] == ["built + warmed a"]
+
+
+def test_deadline_stops_before_a_round_that_would_overrun(tiny_llama_dir, tmp_path):
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps(["hello world"]))
+    engine = "{device: cpu, attn_backend: VANILLA, kv_cache_config: {max_tokens: 1024}}"
+    args = sbs.make_parser().parse_args(["--model", str(tiny_llama_dir), "--prompts-file", str(prompts),
+                                         "--concurrency", "1", "--rounds", "3", "--max-tokens", "2",
+                                         "--min-requests", "1", "--deadline-s", "1e-6"])
+    rep = sbs.run_sidebyside(args, [sbs.parse_arm(f"a={engine}"), sbs.parse_arm(f"b={engine}")])
+    assert [(r["arm"], r["round"]) for r in rep["rows"]] == [("a", 0), ("b", 0)]   # round 0 always runs
+    assert rep["timeline"][-1]["event"].startswith("stopped before round 1")
+    assert [e["rounds"] for e in rep["summary"]] == [1, 1]
