@@ -30,123 +30,22 @@ into the input ids behind it on the same stream (`gather_drafts`)::
 """
 from __future__ import annotations
 
-import itertools
 import logging
-from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
 
 from ..attention_backend.interface import BAD_PAGE_INDEX, AttentionBackend, AttentionMetadata
+from ..runtime.cuda_graph import (GraphCache, GraphEntry, batch_buckets, check_graph_support, fill_padded,
+                                  flat_rows, owned_rows)
+from ..runtime.sampler import host_ints
 from ..runtime.token_rows import VerifyTokens
 from .kv_cache.resource_manager import KVCacheManager
-from ..runtime.sampler import host_ints
 from .step_split import graph_candidates
 
 logger = logging.getLogger("tensorrt_llm")
-
-DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-
-
-def batch_buckets(max_batch_size: int, candidates: Sequence[int] = DEFAULT_BATCH_BUCKETS) -> list[int]:
-    """Capture sizes: candidates below max_batch_size, plus max_batch_size (capped at the largest)."""
-    top = min(max_batch_size, max(candidates))
-    return sorted({c for c in candidates if c < top} | {top})
-
-
-def check_graph_support(device: torch.device, backend: AttentionBackend, tokens_per_request: int,
-                        page_size: int, role: str) -> None:
-    """ValueError unless graphs can run: CUDA, a backend declaring cuda_graphs, and padding
-    requests (`tokens_per_request` tokens each) fitting in one scratch page."""
-    if device.type != "cuda":
-        raise ValueError(f"use_cuda_graph needs a CUDA device, got {device}")
-    if not backend.capabilities.cuda_graphs:
-        raise ValueError(f"use_cuda_graph: {role} {backend.name} does not support CUDA graphs "
-                         "(choose attn_backend='FLASHINFER' or use_cuda_graph=False)")
-    if tokens_per_request > page_size:
-        raise ValueError(f"use_cuda_graph: {tokens_per_request} tokens per request exceed one page "
-                         f"({page_size} tokens), which padding requests must fit in")
-
-
-def capture_graph(fn: Callable[[], Any], device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, Any]:
-    """Warm `fn` up once on a side stream (torch's rule; it also lets backends plan their
-    fixed-address wrappers, so nothing is planned inside the capture), then capture it.
-
-    Returns (graph, the captured call's outputs: persistent tensors that each replay refills).
-    """
-    cur = torch.cuda.current_stream(device)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(cur)
-    with torch.cuda.stream(side):
-        fn()
-    cur.wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        out = fn()
-    return graph, out
-
-
-@dataclass
-class GraphInputs:
-    """Host-side inputs of one padded graph step (all CPU tensors)."""
-
-    input_ids: torch.Tensor     # [bucket * q] int64
-    positions: torch.Tensor     # [bucket * q] int64
-    slot_mapping: torch.Tensor  # [bucket * q] int64, every slot >= 0
-    block_tables: torch.Tensor  # [bucket, max_pages] int32, BAD_PAGE_INDEX when unallocated
-    num_cached: list[int]       # [bucket]
-
-
-def pack_graph_inputs(token_ids: Sequence[Sequence[int]], starts: Sequence[int],
-                      slots: Sequence[Sequence[int]], block_tables: torch.Tensor, bucket: int,
-                      q: int, max_pages: int, scratch_page: int, page_size: int) -> GraphInputs:
-    """Pad B real segments (q tokens each) to `bucket` requests.
-
-    token_ids, slots: [B][q] (lists or an array); block_tables: [B, w] int32 CPU (w <= max_pages).
-    Padding requests attend over their own q tokens at positions 0..q-1 in `scratch_page`;
-    their outputs are discarded.
-    """
-    b = len(token_ids)
-    if not 0 < b <= bucket or q > page_size:
-        raise ValueError(f"cannot pad {b} requests of {q} tokens to bucket {bucket} (page {page_size})")
-    n, used = bucket * q, b * q
-    ids = np.zeros(n, dtype=np.int64)
-    pos = np.empty(n, dtype=np.int64)
-    slot = np.empty(n, dtype=np.int64)
-    ids[:used] = _flat(token_ids, used, "token_ids")
-    slot[:used] = _flat(slots, used, "slots")
-    _fill_padded(pos, slot, np.asarray(starts, dtype=np.int64), b, bucket, q, scratch_page, page_size)
-    bt = torch.full((bucket, max_pages), BAD_PAGE_INDEX, dtype=torch.int32)
-    bt[:b, :block_tables.shape[1]] = block_tables
-    bt[b:, 0] = scratch_page
-    return GraphInputs(torch.from_numpy(ids), torch.from_numpy(pos), torch.from_numpy(slot), bt,
-                       list(starts) + [0] * (bucket - b))
-
-
-def _flat(rows: Sequence[Sequence[int]] | np.ndarray, count: int, what: str) -> np.ndarray:
-    """[B][q] -> [B*q] int64, ValueError unless there are exactly `count` values."""
-    if isinstance(rows, np.ndarray):
-        out = rows.reshape(-1)
-    else:
-        out = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64)
-    if out.shape[0] != count:
-        raise ValueError(f"{what}: {out.shape[0]} values for {count} rows (every segment needs q tokens)")
-    return out
-
-
-def _fill_padded(pos: np.ndarray, slot: np.ndarray, starts: np.ndarray, b: int, bucket: int, q: int,
-                 scratch_page: int, page_size: int) -> None:
-    """positions of B real segments (starts[b] + 0..q-1) and the padding rows' positions / slots."""
-    used = b * q
-    if q == 1:
-        pos[:used] = starts
-    else:
-        pos[:used].reshape(b, q)[:] = starts.reshape(-1, 1) + np.arange(q, dtype=np.int64)
-    if b < bucket:
-        ar = np.arange(q, dtype=np.int64)
-        pos[used:].reshape(bucket - b, q)[:] = ar
-        slot[used:].reshape(bucket - b, q)[:] = scratch_page * page_size + ar
 
 
 def gather_drafts(dst: torch.Tensor, tokens: Sequence[VerifyTokens], rows: Sequence[int]) -> None:
@@ -191,22 +90,19 @@ class GraphRun(NamedTuple):
 
 
 @dataclass
-class _GraphEntry:
-    """Persistent buffers and the captured graph of one (bucket, q)."""
+class _GraphEntry(GraphEntry):
+    """Persistent buffers of one (bucket, q); outputs: (logits [bucket * q, V] float32, captured
+    [bucket * q, n*H] or None)."""
 
-    bucket: int
-    q: int
-    input_ids: torch.Tensor                     # [bucket * q] int64, device (view of io)
-    positions: torch.Tensor                     # [bucket * q] int64, device (view of io)
-    md: AttentionMetadata                       # slot_mapping / block_tables: views of io
-    io: torch.Tensor                            # [words] int64 device buffer (layout: module doc)
-    host: torch.Tensor                          # [words] int64 CPU staging, pinned on CUDA
-    host_views: tuple[np.ndarray, ...]          # numpy views of host: ids, positions, slots, table
-    copied: Optional[torch.cuda.Event] = None   # the last host -> io copy (staging buffer reuse)
-    graph: Optional[torch.cuda.CUDAGraph] = None
-    logits: Optional[torch.Tensor] = None       # [bucket * q, V] float32 (graph output)
-    captured: Optional[torch.Tensor] = None     # [bucket * q, n*H] (graph output) or None
-    replays: int = field(default=0)
+    bucket: int = 0
+    q: int = 0
+    input_ids: Optional[torch.Tensor] = None      # [bucket * q] int64, device (view of io)
+    positions: Optional[torch.Tensor] = None      # [bucket * q] int64, device (view of io)
+    md: Optional[AttentionMetadata] = None        # slot_mapping / block_tables: views of io
+    io: Optional[torch.Tensor] = None             # [words] int64 device buffer (layout: module doc)
+    host: Optional[torch.Tensor] = None           # [words] int64 CPU staging, pinned on CUDA
+    host_views: tuple[np.ndarray, ...] = ()       # numpy views of host: ids, positions, slots, table
+    copied: Optional[torch.cuda.Event] = None     # the last host -> io copy (staging buffer reuse)
 
 
 def _io_views(buf: torch.Tensor, bucket: int, q: int, max_pages: int
@@ -233,10 +129,7 @@ class CUDAGraphRunner:
         self.buckets = sorted(buckets) if buckets else batch_buckets(max_batch_size)
         # Padding requests write here; the page is held for the runner's lifetime (never hashed).
         self.scratch_page = kv.scratch_page()
-        self._entries: dict[tuple[int, int], _GraphEntry] = {}
-        self._pool = None
-        self.num_captures = 0
-        self.num_replays = 0
+        self.graphs: GraphCache[_GraphEntry] = GraphCache(device)
         self.num_eager_fallbacks = 0     # steps run wholly eagerly
         self.num_split_steps = 0         # steps whose graph group replayed next to an eager rest
 
@@ -265,7 +158,7 @@ class CUDAGraphRunner:
         rows = self.kv.rows(rids)
         starts = np.fromiter((s.start for s in group), dtype=np.int64, count=len(idx))
         slots = self.kv.slots_batch(rids, starts, q, rows=rows)
-        owned = (slots >= 0).all(axis=1)
+        owned = owned_rows(slots)
         if len(idx) > self.buckets[-1] or not owned.all():
             # a write beyond owned pages: eager skips it; beyond the largest bucket: eager
             keep = np.flatnonzero(owned)[:self.buckets[-1]]
@@ -297,19 +190,14 @@ class CUDAGraphRunner:
             self.num_split_steps += 1
             segments = [segments[i] for i in idx]
         bucket, q = plan.bucket, plan.q
-        entry = self._entries.get((bucket, q))
-        if entry is None:
-            entry = self._new_entry(bucket, q)
-            self._entries[(bucket, q)] = entry
+        entry = self.graphs.entry((bucket, q), lambda: self._new_entry(bucket, q))
         self._load_inputs(entry, segments, plan)
         if entry.graph is None:
-            self._capture(entry)
-        entry.graph.replay()
-        entry.replays += 1
-        self.num_replays += 1
+            logger.info("capturing CUDA graph for batch bucket %d x %d tokens", bucket, q)
+        logits, captured = self.graphs.replay(entry, self._forward)
         n = len(segments) * q
-        cap = entry.captured[:n].clone() if entry.captured is not None else None
-        return GraphRun(idx, q, entry.logits[:n].clone(), cap)
+        cap = captured[:n].clone() if captured is not None else None
+        return GraphRun(idx, q, logits[:n].clone(), cap)
 
     def _new_entry(self, bucket: int, q: int) -> _GraphEntry:
         dev, max_pages = self.device, self.kv.max_blocks_per_seq
@@ -321,7 +209,8 @@ class CUDAGraphRunner:
         md = AttentionMetadata(seq_lens=[q] * bucket, num_cached=[0] * bucket, block_tables=table,
                                slot_mapping=slots, tokens_per_block=self.kv.tokens_per_block, causal=True)
         views = tuple(t.numpy() for t in _io_views(host, bucket, q, max_pages))
-        return _GraphEntry(bucket, q, ids, pos, md, io, host, views)
+        return _GraphEntry(bucket=bucket, q=q, input_ids=ids, positions=pos, md=md, io=io, host=host,
+                           host_views=views)
 
     def _load_inputs(self, entry: _GraphEntry, segments, plan: StepPlan) -> None:
         """Stage the step's padded inputs in entry.host, copy them to entry.io in one copy, prepare.
@@ -343,9 +232,9 @@ class CUDAGraphRunner:
                 for j in sorted(set(range(b)) - set(lazy)):
                     tok[j] = segments[j].token_ids
         else:
-            ids[:b * q] = _flat([s.token_ids for s in segments], b * q, "token_ids")
+            ids[:b * q] = flat_rows([s.token_ids for s in segments], b * q, "token_ids")
         slot[:b * q] = plan.slots.reshape(-1)
-        _fill_padded(pos, slot, plan.starts, b, bucket, q, self.scratch_page, p)
+        fill_padded(pos, slot, plan.starts, b, bucket, q, self.scratch_page, p)
         np.take(self.kv.page_table, plan.rows, axis=0, out=table[:b])
         if b < bucket:
             ids[b * q:] = 0
@@ -368,10 +257,10 @@ class CUDAGraphRunner:
         logits = self.model.compute_logits(hidden)
         return logits, (torch.cat(captured, dim=-1) if captured else None)
 
-    def _capture(self, entry: _GraphEntry) -> None:
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        entry.graph, (entry.logits, entry.captured) = capture_graph(lambda: self._forward(entry),
-                                                                    self.device, self._pool)
-        self.num_captures += 1
-        logger.info("captured CUDA graph for batch bucket %d x %d tokens", entry.bucket, entry.q)
+    @property
+    def num_captures(self) -> int:
+        return self.graphs.num_captures
+
+    @property
+    def num_replays(self) -> int:
+        return self.graphs.num_replays

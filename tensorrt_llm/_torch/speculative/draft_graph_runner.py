@@ -40,8 +40,9 @@ import numpy as np
 import torch
 
 from ..attention_backend.interface import BAD_PAGE_INDEX, AttentionMetadata
-from ..pyexecutor.cuda_graph_runner import (batch_buckets, capture_graph, check_graph_support,
-                                           pack_graph_inputs)
+from ..pyexecutor.kv_cache.resource_manager import KVCacheManager
+from ..runtime.cuda_graph import (GraphCache, GraphEntry, batch_buckets, check_graph_support, owned_rows,
+                                  pack_graph_inputs)
 from ..runtime.llm_request import RequestState
 from ..runtime.step import StepCommit
 from ..runtime.token_rows import PendingDrafts
@@ -74,26 +75,23 @@ class DraftPlan:
 
 
 @dataclass
-class _DraftEntry:
-    """Persistent device inputs/outputs and the graph of one batch bucket."""
+class _DraftEntry(GraphEntry):
+    """Persistent device inputs of one batch bucket; outputs: draft ids [bucket, k_max] int64."""
 
-    bucket: int
-    captured: torch.Tensor            # [bucket*q, n*H] target dtype
-    ctx_pos: torch.Tensor             # [bucket*q] int64
-    ctx_slots: torch.Tensor           # [bucket*q] int64, all >= 0
-    blk_ids: torch.Tensor             # [bucket*S] int64
-    blk_pos: torch.Tensor             # [bucket*S] int64
-    anchors: torch.Tensor             # [bucket] int64
-    md: AttentionMetadata             # non-causal block metadata, persistent tables
-    graph: Optional[torch.cuda.CUDAGraph] = None
-    draft_ids: Optional[torch.Tensor] = None   # [bucket, k_max] int64 (graph output)
-    replays: int = field(default=0)
+    bucket: int = 0
+    captured: Optional[torch.Tensor] = None   # [bucket*q, n*H] target dtype
+    ctx_pos: Optional[torch.Tensor] = None    # [bucket*q] int64
+    ctx_slots: Optional[torch.Tensor] = None  # [bucket*q] int64, all >= 0
+    blk_ids: Optional[torch.Tensor] = None    # [bucket*S] int64
+    blk_pos: Optional[torch.Tensor] = None    # [bucket*S] int64
+    anchors: Optional[torch.Tensor] = None    # [bucket] int64
+    md: Optional[AttentionMetadata] = None    # non-causal block metadata, persistent tables
 
 
 class DraftGraphRunner:
     """Captures and replays the drafter's whole step per batch bucket (greedy drafting)."""
 
-    def __init__(self, drafter: torch.nn.Module, kv, backend, kv_caches: Sequence[torch.Tensor],
+    def __init__(self, drafter: torch.nn.Module, kv: KVCacheManager, backend, kv_caches: Sequence[torch.Tensor],
                  device: torch.device, max_batch_size: int, verify_tokens: int, num_drafts: int,
                  buckets: Optional[Sequence[int]] = None):
         cfg = drafter.config
@@ -110,10 +108,7 @@ class DraftGraphRunner:
         self.mask_token_id = cfg.mask_token_id
         self.buckets = sorted(buckets) if buckets else batch_buckets(max_batch_size)
         self.scratch_page = kv.scratch_page()
-        self._entries: dict[int, _DraftEntry] = {}
-        self._pool = None
-        self.num_captures = 0
-        self.num_replays = 0
+        self.graphs: GraphCache[_DraftEntry] = GraphCache(device)
         self.num_eager_fallbacks = 0     # draft steps run wholly eagerly
         self.num_split_steps = 0         # draft steps whose graph group replayed next to an eager rest
 
@@ -138,7 +133,7 @@ class DraftGraphRunner:
         table_rows = self.kv.rows(rids)
         ctx = self.kv.slots_batch(rids, starts, q, rows=table_rows)
         blk = self.kv.slots_batch(rids, new_ctx, s, rows=table_rows)
-        ok = np.flatnonzero((ctx >= 0).all(1) & (blk >= 0).all(1))[:self.buckets[-1]]
+        ok = np.flatnonzero(owned_rows(ctx) & owned_rows(blk))[:self.buckets[-1]]
         if not len(ok):
             return [], None
         idx = [cand[k] for k in ok.tolist()]
@@ -188,17 +183,13 @@ class DraftGraphRunner:
         if captured.shape[0] != b * self.q or len(plan.anchors) != b:
             raise ValueError(f"draft graph group of {b} entries: captured has {captured.shape[0]} rows, "
                              f"plan {len(plan.anchors)} entries (q={self.q})")
-        entry = self._entries.get(plan.bucket)
-        if entry is None:
-            entry = self._new_entry(plan.bucket, captured.shape[1], captured.dtype)
-            self._entries[plan.bucket] = entry
+        entry = self.graphs.entry(plan.bucket, lambda: self._new_entry(plan.bucket, captured.shape[1], captured.dtype))
         self._load_inputs(entry, committed, captured, plan)
         if entry.graph is None:
-            self._capture(entry)
-        entry.graph.replay()
-        entry.replays += 1
-        self.num_replays += 1
-        return PendingDrafts(entry.draft_ids[:b].clone())
+            logger.info("capturing draft CUDA graph for batch bucket %d (%d verify rows, block %d)",
+                        entry.bucket, self.q, self.block_size)
+        draft_ids = self.graphs.replay(entry, self._forward)
+        return PendingDrafts(draft_ids[:b].clone())
 
     def _new_entry(self, bucket: int, width: int, dtype: torch.dtype) -> _DraftEntry:
         q, s, dev = self.q, self.block_size, self.device
@@ -209,10 +200,10 @@ class DraftGraphRunner:
                                     dtype=torch.int32, device=dev),
             slot_mapping=torch.zeros(bucket * s, **i64), tokens_per_block=self.kv.tokens_per_block,
             causal=False)
-        return _DraftEntry(bucket, torch.zeros(bucket * q, width, dtype=dtype, device=dev),
-                           torch.zeros(bucket * q, **i64), torch.zeros(bucket * q, **i64),
-                           torch.zeros(bucket * s, **i64), torch.zeros(bucket * s, **i64),
-                           torch.zeros(bucket, **i64), md)
+        return _DraftEntry(bucket=bucket, captured=torch.zeros(bucket * q, width, dtype=dtype, device=dev),
+                           ctx_pos=torch.zeros(bucket * q, **i64), ctx_slots=torch.zeros(bucket * q, **i64),
+                           blk_ids=torch.zeros(bucket * s, **i64), blk_pos=torch.zeros(bucket * s, **i64),
+                           anchors=torch.zeros(bucket, **i64), md=md)
 
     def _load_inputs(self, entry: _DraftEntry, committed: Sequence[StepCommit], captured: torch.Tensor, plan: DraftPlan) -> None:
         q, s, b = self.q, self.block_size, len(committed)
@@ -244,10 +235,10 @@ class DraftGraphRunner:
         ids, _ = d.propose(hidden, entry.anchors, self.k_max)
         return ids
 
-    def _capture(self, entry: _DraftEntry) -> None:
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        entry.graph, entry.draft_ids = capture_graph(lambda: self._forward(entry), self.device, self._pool)
-        self.num_captures += 1
-        logger.info("captured draft CUDA graph for batch bucket %d (%d verify rows, block %d)",
-                    entry.bucket, self.q, self.block_size)
+    @property
+    def num_captures(self) -> int:
+        return self.graphs.num_captures
+
+    @property
+    def num_replays(self) -> int:
+        return self.graphs.num_replays

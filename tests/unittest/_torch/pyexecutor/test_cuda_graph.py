@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tensorrt_llm._torch.attention_backend.interface import BAD_PAGE_INDEX
-from tensorrt_llm._torch.pyexecutor.cuda_graph_runner import batch_buckets, pack_graph_inputs
+from tensorrt_llm._torch.runtime.cuda_graph import batch_buckets, pack_graph_inputs
 
 TOL = 2e-2
 NEG_MIN = 0.2
@@ -133,8 +133,7 @@ def test_runner_host_staging_matches_reference_on_cpu():
         segs = [ForwardSegment(r, [rng.randrange(512) for _ in range(q)], s, q) for r, s in zip(ids, starts)]
         plan = runner.plan_step(segs)
         assert plan is not None and plan.slots.tolist() == [kv.slots(r, s, q) for r, s in zip(ids, starts)]
-        entry = runner._entries.get((plan.bucket, q)) or runner._new_entry(plan.bucket, q)
-        runner._entries[(plan.bucket, q)] = entry
+        entry = runner.graphs.entry((plan.bucket, q), lambda: runner._new_entry(plan.bucket, q))
         with torch.inference_mode():
             runner._load_inputs(entry, segs, plan)
         ref = pack_graph_inputs([s.token_ids for s in segs], starts, plan.slots.tolist(), kv.block_tables(ids),
