@@ -139,6 +139,21 @@ def _fmt(s: Optional[dict], digits: int, scale: float = 1.0) -> str:
     return f"{f.format(s['median'] * scale)} ({f.format(s['min'] * scale)}-{f.format(s['max'] * scale)})"
 
 
+def format_compact(summary: Sequence[dict]) -> str:
+    """One row per arm: median (min-max) tok/s per concurrency, then the median ALs (issue-table shape)."""
+    levels = sorted({e["concurrency"] for e in summary})
+    arms = list(dict.fromkeys(e["arm"] for e in summary))
+    by = {(e["arm"], e["concurrency"]): e for e in summary}
+    lines = ["| arm | " + " | ".join(f"C={c} tok/s" for c in levels) + " | AL |",
+             "|" + "---|" * (len(levels) + 2)]
+    for a in arms:
+        cells = [_fmt(by[(a, c)]["output_tok_s"], 0) if (a, c) in by else "-" for c in levels]
+        als = [by[(a, c)]["acceptance_length"] for c in levels if (a, c) in by]
+        al = " / ".join(f"{x['median']:.2f}" for x in als if x) or ""
+        lines.append(f"| {a} | " + " | ".join(cells) + f" | {al} |")
+    return "\n".join(lines)
+
+
 def format_markdown(summary: Sequence[dict], anchor: Optional[dict] = None) -> str:
     """Markdown tables: median (min-max) per arm and concurrency; the anchor's ceiling if run."""
     ratio_arm = next((e["ratio_to"]["arm"] for e in summary if e.get("ratio_to")), None)
@@ -308,6 +323,7 @@ def write_report(report: dict, out_dir: Path, stem: str = "sidebyside") -> tuple
     m.write_text(f"MT-Bench-style side by side: {cfg.get('max_tokens')} output tokens, T=0, ignore_eos, "
                  f"{cfg.get('rounds')} rounds in rotated arm order, C = {cfg.get('concurrency')}, "
                  f"model {cfg.get('model')}, {report['machine'].get('gpu', 'cpu')}\n\n"
+                 + (format_compact(report["summary"]) + "\n\n" if report["summary"] else "")
                  + format_markdown(report["summary"], report.get("anchor")) + "\n")
     return j, m
 
@@ -354,6 +370,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if out:
         write_report(report, out)
     print(format_markdown(report["summary"], report.get("anchor")))
+    if report["summary"]:
+        print("\n" + format_compact(report["summary"]))
     return 0
 
 

@@ -51,6 +51,9 @@ def test_summarize_median_min_max_and_ratio():
     assert len(lines) == 2 + 3 and "x base" in lines[0]
     assert "| spec | 1 | 3 | 16 | 110 (100-400) | 20.00 (10.00-30.00) | 2.50 (2.00-3.00) | 2.00 |" in lines
     assert "| spec | 16 | 4 | 16 | 2,500 (1,000-4,000) | - | 2.80 (2.80-2.80) | - |" in lines
+    compact = sbs.format_compact(out).splitlines()
+    assert compact[0] == "| arm | C=1 tok/s | C=16 tok/s | AL |"
+    assert compact[2:] == ["| base | 55 (50-60) | - |  |", "| spec | 110 (100-400) | 2,500 (1,000-4,000) | 2.50 / 2.80 |"]
 
 
 def test_parse_arm(tmp_path):
@@ -122,6 +125,7 @@ def test_tiny_cpu_run_two_arms(tiny_llama_dir, tmp_path, capsys):
     assert rep["arms"][1]["llm_args"]["attn_backend"] == "VANILLA"
     md = (out / "sidebyside.md").read_text()
     assert "| hf | 1 | 1 | 2 |" in md and "| eng | 1 | 1 | 2 |" in md
+    assert "| arm | C=1 tok/s | AL |" in md
     assert "| eng | 1 |" in capsys.readouterr().out
 
 
