@@ -5,15 +5,17 @@ validated: nothing downstream mutates them.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 AttentionBackendName = Literal["AUTO", "VANILLA", "FLASHINFER"]   # resolver.KNOWN_BACKENDS + AUTO
 KvDtypeName = Literal["auto", "bfloat16", "float16", "float32", "fp8"]
 ModelDtypeName = Literal["auto", "bfloat16", "float16", "float32"]
+PathStr = Annotated[str, AfterValidator(os.path.expanduser)]     # a file or folder path; `~` expanded
 
 
 class StrictBaseModel(BaseModel):
@@ -58,7 +60,7 @@ class DSparkDecodingConfig(StrictBaseModel):
 
     decoding_type: Literal["DSpark"] = Field(
         default="DSpark", description="Discriminator of the speculative_config union.")
-    speculative_model: str = Field(
+    speculative_model: PathStr = Field(
         description="Path to the drafter checkpoint folder (config.json + safetensors).")
     max_draft_len: Optional[int] = Field(
         default=None, ge=1,
@@ -66,20 +68,11 @@ class DSparkDecodingConfig(StrictBaseModel):
         "with shift_label, block size - 1 without).")
     attention_backend: AttentionBackendName = Field(
         default="AUTO", description="Attention backend for the drafter.")
-    use_rejection_sampling: bool = Field(
-        default=True, description="At temperature > 0 verify with lossless rejection sampling.")
-    rejection_sampler: Literal["auto", "torch", "flashinfer", "batched"] = Field(
-        default="auto", description="Implementation of T>0 rejection sampling: 'flashinfer' (one "
-        "fused kernel per request; CUDA; JIT-compiled on first use), 'torch' (a host loop per "
-        "request, any device), 'batched' (every sampling request of a step in one pass of torch "
-        "ops, one sync; any device; a request's samples depend only on its seed), 'auto' "
-        "flashinfer on CUDA when it imports, else torch. Same distribution, not the same samples "
-        "for a seed.")
     mask_token_id: Optional[int] = Field(
         default=None, ge=0, description="Override of dspark_config.mask_token_id.")
     target_layer_ids: Optional[list[int]] = Field(
         default=None, description="Override of dspark_config.target_layer_ids.")
-    accept_stats_dir: Optional[str] = Field(
+    accept_stats_dir: Optional[PathStr] = Field(
         default=None, description="Folder for dspark_accept_stats_rank{r}.json (None: not written).")
 
 
@@ -89,8 +82,8 @@ SpeculativeConfig = Annotated[Union[DSparkDecodingConfig], Field(discriminator="
 class TorchLlmArgs(StrictBaseModel):
     """Arguments of `LLM(...)`; also the shape of a YAML `--extra_llm_api_options` file."""
 
-    model: str = Field(description="Path to an HF-format checkpoint folder.")
-    tokenizer: Optional[str] = Field(default=None, description="Tokenizer folder (default: model).")
+    model: PathStr = Field(description="Path to an HF-format checkpoint folder.")
+    tokenizer: Optional[PathStr] = Field(default=None, description="Tokenizer folder (default: model).")
     dtype: ModelDtypeName = Field(
         default="auto", description="Weight/activation dtype; 'auto' = bfloat16 on CUDA, float32 on CPU.")
     device: Optional[str] = Field(
@@ -145,15 +138,40 @@ class TorchLlmArgs(StrictBaseModel):
 
     @classmethod
     def from_yaml(cls, path: Union[str, Path], **overrides) -> "TorchLlmArgs":
-        """Load args from a YAML file; keyword overrides win. Unknown keys raise."""
-        p = Path(path)
+        """Load args from a YAML file; keyword overrides win. Unknown keys raise.
+
+        Paths in the file (`model`, `tokenizer`, `speculative_config.speculative_model`,
+        `speculative_config.accept_stats_dir`) may start with `~`; a relative one resolves against
+        the YAML file's folder, not the working directory, so a config folder can be moved as a
+        whole. Overrides are taken as given (relative to the working directory).
+        """
+        p = Path(path).expanduser()
         if not p.is_file():
             raise ValueError(f"LLM args YAML not found: {p}")
-        data = yaml.safe_load(p.read_text()) or {}
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"{p}: invalid YAML: {e}") from e
         if not isinstance(data, dict):
             raise ValueError(f"{p}: top level must be a mapping, got {type(data).__name__}")
+        folder = p.parent.absolute()
+        data = _anchor_paths(data, ("model", "tokenizer"), folder)
+        if isinstance(data.get("speculative_config"), dict):
+            data["speculative_config"] = _anchor_paths(
+                data["speculative_config"], ("speculative_model", "accept_stats_dir"), folder)
         data.update(overrides)
         try:
             return cls(**data)
         except Exception as e:  # re-raise with the file name
             raise ValueError(f"{p}: invalid LLM args: {e}") from e
+
+
+def _anchor_paths(data: dict[str, Any], keys: tuple[str, ...], folder: Path) -> dict[str, Any]:
+    """`data` with its string values under `keys` made paths: `~` expanded, relative ones joined to
+    `folder` (other values are left for validation to report)."""
+    out = dict(data)
+    for k in keys:
+        if isinstance(out.get(k), str):
+            v = Path(out[k]).expanduser()
+            out[k] = str(v if v.is_absolute() else folder / v)
+    return out

@@ -15,6 +15,7 @@ from tensorrt_llm._torch.attention_backend.interface import BAD_PAGE_INDEX, Atte
 from tensorrt_llm._torch.attention_backend.vanilla import VanillaAttention
 from tensorrt_llm._torch.models.modeling_dspark import DSparkForCausalLMBase, load_drafter
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
+from tensorrt_llm._torch.speculative.dspark_worker import draft_kv_cache_spec
 from tensorrt_llm.tools.dspark_data import regenerate
 from tensorrt_llm.tools.dspark_train_config import DSparkTrainConfig
 from tensorrt_llm.tools.dspark_train_forward import (IGNORE_INDEX, block_inputs, block_labels, block_logits,
@@ -114,7 +115,7 @@ def paged_blocks(drafter, feats: torch.Tensor, ids: torch.Tensor, anchors: list[
         pos = torch.arange(lo, hi)
         return table[i, pos // page].long() * page + pos % page
 
-    spec = drafter.kv_cache_spec(torch.float32)
+    spec = draft_kv_cache_spec(drafter, torch.float32)
     caches = [torch.zeros(spec.layer_shape(num_pages, page)) for _ in range(spec.num_layers)]
     backend = VanillaAttention()
     for i, a in enumerate(anchors):

@@ -17,9 +17,15 @@ from tensorrt_llm._torch.models.modeling_dspark import (DRAFTER_REGISTRY, DSpark
                                                          load_drafter)
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig, LlamaForCausalLM
 from tensorrt_llm._torch.models.dspark_config import DSparkModelConfig
+from tensorrt_llm._torch.speculative.dspark_worker import draft_kv_cache_spec
 
 HIDDEN, VOCAB, P, NUM_PAGES = 64, 128, 4, 40
 CPU, F32 = torch.device("cpu"), torch.float32
+
+
+def kv_spec(drafter, dtype=torch.float32):
+    """The draft pool spec built from the drafter's kv_cache_layout() (as the engine builds it)."""
+    return draft_kv_cache_spec(drafter, dtype)
 
 
 def target_config(hidden: int = HIDDEN, vocab: int = VOCAB) -> LlamaConfig:
