@@ -16,10 +16,10 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_tokens: int = Field(default=32, description="Max new tokens to generate (>= 1).")
-    temperature: float = Field(default=0.0, ge=0.0, description="0 = greedy.")
+    temperature: float = Field(default=0.0, ge=0.0, allow_inf_nan=False, description="0 = greedy; finite.")
     top_k: int = Field(default=0, ge=0, description="0 = disabled.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus mass; 1 = disabled.")
-    seed: Optional[int] = Field(default=None, description="Per-request RNG seed.")
+    seed: Optional[int] = Field(default=None, ge=0, lt=2**64, description="Per-request RNG seed in [0, 2**64).")
     stop: Union[None, str, list[str]] = Field(default=None, description="Stop string(s).")
     end_id: Optional[int] = Field(
         default=None, description="End-of-sequence token id (default: the tokenizer's eos).")

@@ -1,8 +1,12 @@
 """`LLM`: the offline/online entry point (TensorRT-LLM's LLM API over the PyTorch backend)."""
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
+import numbers
+import threading
+import weakref
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
@@ -14,6 +18,26 @@ from .tokenizer import TokenizerWrapper
 logger = logging.getLogger("tensorrt_llm")
 
 PromptInput = Union[str, Sequence[int]]
+
+# LLMs not shut down yet: stopped at interpreter exit, before teardown (an executor thread still
+# running into teardown aborts the process: "terminate called without an active exception")
+_LIVE_LLMS: "weakref.WeakSet[LLM]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live_llms() -> None:
+    for llm in list(_LIVE_LLMS):
+        llm.shutdown()
+
+
+def _is_one_prompt(prompts: Any) -> bool:
+    """A string or a flat sequence of token ids (list, tuple, numpy array) is one prompt."""
+    if isinstance(prompts, str):
+        return True
+    try:
+        return len(prompts) > 0 and isinstance(prompts[0], numbers.Number)
+    except TypeError:           # a generator of prompts, or not a sequence at all
+        return False
 
 
 class LLM:
@@ -39,7 +63,10 @@ class LLM:
         self._bundle = create_py_executor(args, self.tokenizer)
         self._executor = self._bundle.executor
         self._ids = itertools.count()
+        self._submit_lock = threading.Lock()     # orders submissions against shutdown()
+        self._shut_down = False
         self._executor.start()
+        _LIVE_LLMS.add(self)
 
     # ---- info --------------------------------------------------------------------------
     @property
@@ -55,8 +82,8 @@ class LLM:
         kv = self._bundle.kv.report()
         stats = {"iterations": self._executor.iterations, "kv_cache": kv,
                  "prefix_cache": kv["reuse"]}
-        if self._executor.spec is not None:
-            stats["speculative"] = self._executor.spec.stats()
+        if self._executor.drafter is not None:
+            stats["speculative"] = self._executor.drafter.stats()
         return stats
 
     def reset_kv_peak(self) -> None:
@@ -70,10 +97,14 @@ class LLM:
     def _to_ids(self, prompt: PromptInput) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        if not all(isinstance(t, int) for t in ids):
-            raise ValueError("token-id prompts must be a list of ints")
-        return None, ids
+        try:
+            items = list(prompt)
+        except TypeError:
+            raise ValueError(f"a prompt is a string or a sequence of token ids, got {type(prompt).__name__}") from None
+        for i, t in enumerate(items):      # numpy integers are ids too; floats and bools are not
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                raise ValueError(f"token id {i} of the prompt is {t!r} ({type(t).__name__}), not an int")
+        return None, [int(t) for t in items]
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -82,6 +113,11 @@ class LLM:
         bad = [t for t in ids if t < 0 or t >= vocab]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        for name, toks in (("end_id", [] if params.end_id is None else [params.end_id]),
+                           ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in toks if t < 0 or t >= vocab]
+            if bad:
+                raise ValueError(f"{name} {bad[:5]} out of the vocabulary [0, {vocab})")
         if len(ids) + 1 > self.max_seq_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_seq_len is {self.max_seq_len} "
                              "(prompt + at least one output token must fit)")
@@ -99,7 +135,7 @@ class LLM:
     def _make_request(self, prompt: PromptInput, params: Optional[SamplingParams], streaming: bool,
                       context_only: bool):
         """Tokenize and validate one prompt -> (LlmRequest, its GenerationResult); enqueues nothing."""
-        from .._torch.pyexecutor.llm_request import LlmRequest
+        from .._torch.runtime.llm_request import LlmRequest
         params = params or SamplingParams()
         text, ids = self._to_ids(prompt)
         self._validate(ids, params)
@@ -108,14 +144,21 @@ class LLM:
             {params.end_id} if params.end_id is not None else set(self.tokenizer.eos_token_ids))
         req = LlmRequest(rid, ids, params, end_ids=frozenset(end_ids), context_only=context_only)
         handle = GenerationResult(rid, text, ids, self.tokenizer.decode, params.stop_strings,
-                                  params.include_stop_str_in_output, streaming)
+                                  params.include_stop_str_in_output, streaming, abort=self.abort)
         return req, handle
+
+    def _submit(self, made: list) -> None:
+        """Enqueue (request, handle) pairs as one group; raises once the LLM is shut down."""
+        with self._submit_lock:
+            if self._shut_down:
+                raise RuntimeError("this LLM was shut down; create a new LLM to generate")
+            self._executor.enqueue_requests([(req, handle._update) for req, handle in made])
 
     def generate_async(self, prompt: PromptInput, sampling_params: Optional[SamplingParams] = None,
                        streaming: bool = False, context_only: bool = False) -> GenerationResult:
-        req, handle = self._make_request(prompt, sampling_params, streaming, context_only)
-        self._executor.enqueue_request(req, handle._update)
-        return handle
+        made = self._make_request(prompt, sampling_params, streaming, context_only)
+        self._submit([made])
+        return made[1]
 
     def generate(self, prompts: Union[PromptInput, Sequence[PromptInput]],
                  sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
@@ -124,8 +167,7 @@ class LLM:
         Every prompt is validated before any is submitted (a bad one raises and nothing runs), then
         all are submitted as one group, so the step batches, and with them the numerics, repeat
         from run to run."""
-        single = isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
-                                              and isinstance(prompts[0], int))
+        single = _is_one_prompt(prompts)
         plist = [prompts] if single else list(prompts)
         if isinstance(sampling_params, Sequence) and not isinstance(sampling_params, SamplingParams):
             if len(sampling_params) != len(plist):
@@ -139,13 +181,27 @@ class LLM:
                 made.append(self._make_request(p, sp, False, False))
             except ValueError as e:
                 raise ValueError(str(e) if single else f"prompt {i}: {e}") from e
-        self._executor.enqueue_requests([(req, handle._update) for req, handle in made])
+        self._submit(made)
         outs = [handle.result() for _, handle in made]
         return outs[0] if single else outs
 
+    def abort(self, request_id: int) -> None:
+        """Cancel a request by id (`GenerationResult.abort()` calls this), honoured at the engine's
+        next step: its KV pages are freed and its `result()` returns the tokens so far with
+        finish_reason "aborted". An unknown or finished id is ignored."""
+        self._executor.abort(request_id)
+
     def shutdown(self) -> None:
+        """Stop the engine (idempotent; also run at interpreter exit for an LLM not shut down).
+        Requests still queued or running finish with an error, so their callers return; later
+        `generate` calls raise RuntimeError."""
+        with self._submit_lock:
+            if self._shut_down:
+                return
+            self._shut_down = True
+        _LIVE_LLMS.discard(self)
         self._executor.shutdown()
-        spec = self._executor.spec
+        spec = self._executor.drafter
         if spec is not None and self.args.speculative_config and self.args.speculative_config.accept_stats_dir:
             spec.write_stats(Path(self.args.speculative_config.accept_stats_dir))
 

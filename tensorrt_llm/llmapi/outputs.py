@@ -15,7 +15,7 @@ class CompletionOutput:
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: Optional[str] = None   # "stop" | "length" | "error" | None while running
+    finish_reason: Optional[str] = None   # "stop" | "length" | "aborted" | "error" | None while running
     error: Optional[str] = None
 
 
@@ -36,7 +36,9 @@ class GenerationResult:
 
     def __init__(self, request_id: int, prompt: Optional[str], prompt_token_ids: list[int],
                  decode: Callable[[Sequence[int]], str], stop_strings: Sequence[str],
-                 include_stop_str: bool, streaming: bool):
+                 include_stop_str: bool, streaming: bool,
+                 abort: Optional[Callable[[int], None]] = None):
+        self._abort = abort              # the engine's abort-by-request-id
         self._out = RequestOutput(request_id, prompt, list(prompt_token_ids), [CompletionOutput(0)])
         self._decode = decode
         self._stops = list(stop_strings)
@@ -125,7 +127,16 @@ class GenerationResult:
                              [CompletionOutput(0, c.text, c.token_ids, c.finish_reason, c.error)],
                              self._out.finished, dict(self._out.metrics))
 
+    def abort(self) -> None:
+        """Cancel this request (TensorRT-LLM's `RequestOutput.abort()`), honoured at the engine's
+        next step: `result()` then returns the tokens so far with finish_reason "aborted" (no
+        exception) and the request's KV pages are freed. No effect once it has finished."""
+        if self._abort is None:
+            raise RuntimeError(f"request {self.request_id} was not made by an LLM; nothing can abort it")
+        self._abort(self.request_id)
+
     def result(self, timeout: Optional[float] = None) -> RequestOutput:
+        """Block until the request finishes (at most `timeout` s: TimeoutError after that)."""
         if not self._done.wait(timeout):
             raise TimeoutError(f"request {self.request_id} not finished after {timeout} s")
         return self._out

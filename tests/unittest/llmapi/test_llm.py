@@ -2,7 +2,12 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+import threading
+import time
 
+import numpy as np
 import pytest
 from pydantic import ValidationError
 
@@ -107,7 +112,7 @@ def test_bad_requests_are_rejected_and_engine_keeps_serving(tiny_llama_dir, make
         ((), SamplingParams(max_tokens=4), "empty"),   # () not []: generate([]) means zero prompts
         ([5, 6, 512], SamplingParams(max_tokens=4), r"out of range.*512"),          # vocab is 512
         ([5, -1], SamplingParams(max_tokens=4), "out of range"),
-        ([5, 6.0], SamplingParams(max_tokens=4), "list of ints"),
+        ([5, 6.0], SamplingParams(max_tokens=4), r"token id 1 of the prompt is 6\.0 \(float\)"),
     ]
     for prompt, params, msg in bad:
         with pytest.raises(ValueError, match=msg):
@@ -196,3 +201,132 @@ def test_result_metrics_and_chat_template(tiny_llama_dir, make_llm):
     out = llm.generate(text, SamplingParams(max_tokens=3, ignore_eos=True))
     assert out.metrics["ttft_s"] >= 0 and out.metrics["e2e_s"] >= out.metrics["ttft_s"]
     assert llm.get_stats()["iterations"] >= 3
+
+
+# ---- input validation (issue #19 item 11) ---------------------------------------------------
+def test_numpy_ids_are_ints_and_float_ids_name_the_bad_element(tiny_llama_dir, make_llm):
+    """numpy integer ids used to fail with a misleading `TypeError: ... not iterable` (a numpy
+    array is not a Sequence, and an int64 is not an int); they are ids like any int. Float ids are
+    refused with a ValueError naming the element."""
+    llm = make_llm(tiny_llama_dir)
+    p = SamplingParams(max_tokens=4, ignore_eos=True)
+    ref = llm.generate([5, 6, 7], p).outputs[0].token_ids
+    for prompt in (np.array([5, 6, 7]), [np.int64(5), np.int32(6), 7], (5, np.uint16(6), 7)):
+        out = llm.generate(prompt, p)
+        assert not isinstance(out, list) and out.outputs[0].token_ids == ref
+        assert out.prompt_token_ids == [5, 6, 7] and all(type(t) is int for t in out.prompt_token_ids)
+    assert [o.outputs[0].token_ids for o in llm.generate([np.array([5, 6, 7])] * 2, p)] == [ref, ref]
+    for prompt, bad in (([5, 6.0, 7], r"token id 1 of the prompt is 6\.0 \(float\)"),
+                        (np.array([5.0, 6.0]), r"token id 0 of the prompt is .*5\.0.* \(float64\)"),
+                        ([5, True], r"token id 1 of the prompt is True \(bool\)"),
+                        ([[5, 6], [7, "x"]], r"prompt 1: token id 1 of the prompt is 'x' \(str\)"),
+                        (["hello", None], r"prompt 1: a prompt is a string or a sequence of token ids, got NoneType")):
+        with pytest.raises(ValueError, match=bad):
+            llm.generate(prompt, p)
+
+
+def test_end_id_and_stop_token_ids_out_of_vocab_are_rejected(tiny_llama_dir, make_llm):
+    """end_id / stop_token_ids outside the vocabulary used to be accepted (a stop that can never
+    happen); they are refused at submission, naming the value. Negative control: the last id of
+    the vocabulary is accepted."""
+    llm = make_llm(tiny_llama_dir)                       # vocab 512
+    for params, msg in ((SamplingParams(end_id=512), r"end_id \[512\] out of the vocabulary \[0, 512\)"),
+                        (SamplingParams(end_id=-1), r"end_id \[-1\]"),
+                        (SamplingParams(stop_token_ids=[7, 100000]), r"stop_token_ids \[100000\]")):
+        with pytest.raises(ValueError, match=msg):
+            llm.generate("once upon a time", params)
+    ok = llm.generate("once upon a time", SamplingParams(max_tokens=3, end_id=511, stop_token_ids=[0, 511]))
+    assert ok.finished
+
+
+# ---- lifecycle: shutdown, exit, abort (issue #19 items 3, 4, 9) ---------------------------
+LONG = SamplingParams(max_tokens=400, ignore_eos=True)
+
+
+def test_generate_after_shutdown_raises_at_once(tiny_llama_dir, make_llm, bounded):
+    """generate() after shutdown() used to wait forever; it raises RuntimeError at once."""
+    llm = make_llm(tiny_llama_dir)
+    assert llm.generate("once upon a time", SamplingParams(max_tokens=2)).finished
+    llm.shutdown()
+    llm.shutdown()                                       # idempotent
+    for call in (lambda: llm.generate("once upon a time"), lambda: llm.generate_async("hello world"),
+                 lambda: llm.generate(["a b", "c d"])):
+        with pytest.raises(RuntimeError, match="shut down"):
+            bounded(call, timeout=10)
+
+
+def _wait_running(llm, n: int = 1, timeout: float = 60.0) -> None:
+    end = time.monotonic() + timeout
+    while len(llm._bundle.kv.seqs) < n or llm._executor.iterations < 3:
+        assert time.monotonic() < end, "requests never started"
+        time.sleep(0.01)
+
+
+def test_shutdown_fails_requests_waiting_in_other_threads(tiny_llama_dir, make_llm):
+    """shutdown() while other threads wait in generate() used to leave them blocked forever; their
+    requests (running and still queued) finish with an error naming the shutdown, the threads
+    return promptly, and the pages are freed."""
+    llm = make_llm(tiny_llama_dir, max_batch_size=1)     # the second request stays queued
+    outs: dict[int, object] = {}
+    threads = [threading.Thread(target=lambda i=i: outs.__setitem__(i, llm.generate(f"prompt {i}", LONG)),
+                                daemon=True) for i in range(2)]
+    for t in threads:
+        t.start()
+    _wait_running(llm)
+    llm.shutdown()
+    for t in threads:
+        t.join(timeout=30)
+        assert not t.is_alive(), "a generate() caller is still blocked after shutdown()"
+    for out in outs.values():
+        c = out.outputs[0]
+        assert out.finished and c.finish_reason == "error" and "shut down" in c.error
+        assert len(c.token_ids) < LONG.max_tokens
+    assert llm._bundle.kv.seqs == {}
+
+
+EXIT_SCRIPT = """
+import sys
+from tensorrt_llm import LLM, SamplingParams
+llm = LLM(sys.argv[1], device="cpu", kv_cache_config={"max_tokens": 1024, "tokens_per_block": 16})
+print(llm.generate("the quick brown fox", SamplingParams(max_tokens=8)).outputs[0].token_ids)
+"""
+
+
+def test_exit_without_shutdown_is_clean(tiny_llama_dir):
+    """A program that generates and exits without shutdown() used to abort at interpreter
+    teardown ('terminate called without an active exception', SIGABRT / exit 134: the executor
+    thread was still alive), in about half of the runs when run one after another; an atexit hook
+    now stops the executor first. Six sequential runs all exit 0."""
+    for _ in range(6):
+        r = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(tiny_llama_dir)], capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, f"exit {r.returncode}: {r.stderr[-500:]}"
+        assert r.stdout.strip().startswith("[")
+
+
+def test_abort_returns_the_tokens_so_far_and_frees_pages(tiny_llama_dir, make_llm, bounded):
+    """There was no way to cancel a request. GenerationResult.abort() (TensorRT-LLM's
+    RequestOutput.abort()) and LLM.abort(request_id) finish it at the next step: result() returns
+    the tokens so far, a prefix of the full output, with finish_reason "aborted" (no exception);
+    a queued request aborts with no tokens; pages are freed and the engine keeps serving."""
+    llm = make_llm(tiny_llama_dir, max_batch_size=1)
+    full = llm.generate("once upon a time", LONG).outputs[0].token_ids
+    running = llm.generate_async("once upon a time", LONG, streaming=True)
+    queued = llm.generate_async("the quick brown fox", LONG)
+    seen = 0
+    for snap in running:                                 # abort once a few tokens have streamed
+        seen = len(snap.outputs[0].token_ids)
+        if seen >= 3:
+            running.abort()
+            break
+    llm.abort(queued.request_id)
+    a, q = bounded(lambda: (running.result(timeout=30), queued.result(timeout=30)))
+    assert a.finished and a.outputs[0].finish_reason == "aborted" and a.outputs[0].error is None
+    assert seen <= len(a.outputs[0].token_ids) < len(full) and a.outputs[0].token_ids == full[:len(a.outputs[0].token_ids)]
+    assert q.outputs[0].finish_reason == "aborted" and q.outputs[0].token_ids == []
+    assert llm._bundle.kv.seqs == {} and llm._executor.fatal_error is None
+    running.abort()                                      # finished: no effect
+    llm.abort(12345)                                     # unknown id: no effect
+    again = llm.generate("once upon a time", SamplingParams(max_tokens=8, ignore_eos=True))
+    assert again.outputs[0].token_ids == full[:8] and again.outputs[0].finish_reason == "length"
+

@@ -1,6 +1,8 @@
 """Strict configs: unknown keys raise, validated args are frozen, YAML round trip, spec union."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 from pydantic import ValidationError
@@ -130,3 +132,76 @@ def test_llm_constructor_argument_errors(tiny_llama_dir):
         LLM(str(tiny_llama_dir), args=TorchLlmArgs(model=str(tiny_llama_dir)))
     with pytest.raises(ValidationError, match="max_batch"):
         LLM(str(tiny_llama_dir), max_batch=3)
+
+
+# ---- paths and bad values (issue #19 items 8 and 11) ----------------------------------------
+def test_paths_expand_home(tmp_path, monkeypatch):
+    """`~` was kept literally in model / tokenizer / speculative_model (a folder named '~' was
+    looked for); it is expanded. Negative control: paths without `~` are left as given."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    args = TorchLlmArgs(model="~/ckpt", tokenizer="~/tok", speculative_config={
+        "decoding_type": "DSpark", "speculative_model": "~/drafter", "accept_stats_dir": "~/stats"})
+    assert (args.model, args.tokenizer) == (str(tmp_path / "ckpt"), str(tmp_path / "tok"))
+    assert args.speculative_config.speculative_model == str(tmp_path / "drafter")
+    assert args.speculative_config.accept_stats_dir == str(tmp_path / "stats")
+    plain = TorchLlmArgs(model="rel/ckpt", tokenizer="/abs/tok")
+    assert (plain.model, plain.tokenizer) == ("rel/ckpt", "/abs/tok")
+
+
+def test_llm_loads_a_model_and_a_yaml_under_home(tiny_llama_dir, tmp_path, monkeypatch, make_llm):
+    """The README quick start (`LLM(model="~/...")`, a YAML whose `model:` starts with `~`) used to
+    fail with 'checkpoint folder not found'."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "tiny").symlink_to(tiny_llama_dir)
+    (tmp_path / "args.yaml").write_text("model: ~/models/tiny\nmax_num_tokens: 32\n")
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    ref = make_llm(tiny_llama_dir).generate("once upon a time", params).outputs[0].token_ids
+    for model in ("~/models/tiny", "~/args.yaml"):
+        llm = make_llm(model)
+        assert llm.generate("once upon a time", params).outputs[0].token_ids == ref
+    assert llm.args.model == str(tmp_path / "models" / "tiny") and llm.args.max_num_tokens == 32
+
+
+def test_yaml_relative_paths_resolve_against_the_yaml_folder(tiny_llama_dir, tmp_path, monkeypatch, make_llm):
+    """A relative `speculative_model` (or model, tokenizer) in a YAML used to resolve against the
+    working directory; it resolves against the YAML file's folder. Overrides are taken as given,
+    and absolute paths are left alone (negative controls)."""
+    cfg = tmp_path / "configs"
+    cfg.mkdir()
+    (tmp_path / "tiny").symlink_to(tiny_llama_dir)
+    f = cfg / "args.yaml"
+    f.write_text("model: ../tiny\ntokenizer: /abs/tok\nspeculative_config:\n  decoding_type: DSpark\n"
+                 "  speculative_model: drafters/mla\n  accept_stats_dir: stats\n")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    args = TorchLlmArgs.from_yaml(f)
+    assert Path(args.model).resolve() == (tmp_path / "tiny").resolve() and args.tokenizer == "/abs/tok"
+    assert args.speculative_config.speculative_model == str(cfg / "drafters" / "mla")
+    assert args.speculative_config.accept_stats_dir == str(cfg / "stats")
+    assert TorchLlmArgs.from_yaml(f, tokenizer="rel/tok").tokenizer == "rel/tok"
+    f.write_text("model: ../tiny\n")
+    llm = make_llm(Path("..") / "configs" / "args.yaml")     # the YAML itself is found from the cwd
+    assert len(llm.generate("once upon a time", SamplingParams(max_tokens=3)).outputs[0].token_ids) == 3
+
+
+def test_yaml_syntax_error_names_the_file(tmp_path):
+    """A YAML syntax error used to surface as yaml's own ScannerError/ParserError without the file."""
+    f = tmp_path / "broken.yaml"
+    f.write_text("model: /ckpt\nkv_cache_config: {max_tokens: 64\n")
+    with pytest.raises(ValueError, match=r"broken\.yaml: invalid YAML"):
+        TorchLlmArgs.from_yaml(f)
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=float("inf")), dict(temperature=float("nan")),
+                                    dict(temperature=-0.5), dict(seed=-1), dict(seed=2**64)])
+def test_sampling_params_reject_non_finite_temperature_and_seed_out_of_range(kwargs):
+    """temperature=inf (random output) and seeds outside [0, 2**64) used to be accepted."""
+    with pytest.raises(ValidationError, match="temperature" if "temperature" in kwargs else "seed"):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_edge_values_are_accepted():
+    """Negative control of the test above: the edges of the valid ranges."""
+    p = SamplingParams(temperature=1e6, seed=2**64 - 1)
+    assert p.seed == 2**64 - 1 and SamplingParams(seed=0).seed == 0
