@@ -90,3 +90,31 @@ def test_failing_request_is_isolated(tiny_llama_dir, make_llm):
     assert good_out.outputs[0].token_ids == good_ref and good_out.outputs[0].finish_reason == "length"
     assert ex.fatal_error is None and llm._bundle.kv.seqs == {}
     assert llm._bundle.kv.pool.num_free == llm._bundle.kv.num_pages
+
+
+def test_device_fault_fails_queued_and_submitted_requests_and_later_calls_raise(tiny_llama_dir, make_llm, bounded):
+    """Issue #19 item 3: a device fault in a step fails every request, also one submitted while
+    that step ran (it sat in the submission queue, which the old fault path never drained, so its
+    caller waited forever); every later submission raises at once, and the pages are freed."""
+    import threading
+
+    llm = make_llm(tiny_llama_dir, max_batch_size=1)
+    ex = llm._executor
+    in_forward, release = threading.Event(), threading.Event()
+
+    def faulty_forward(segments):
+        in_forward.set()
+        release.wait(30)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (simulated)")
+
+    ex.engine.forward = faulty_forward
+    running = llm.generate_async("once upon a time", PARAMS)
+    assert in_forward.wait(30)
+    late = llm.generate_async("the quick brown fox", PARAMS)    # queued while the step runs
+    release.set()
+    for h in (running, late):
+        out = bounded(lambda: h.result(timeout=30), timeout=40)
+        assert out.outputs[0].finish_reason == "error" and "CUDA error" in out.outputs[0].error
+    with pytest.raises(RuntimeError, match="fatal error.*CUDA error"):
+        bounded(lambda: llm.generate("hello world", PARAMS), timeout=10)
+    assert llm._bundle.kv.seqs == {}
