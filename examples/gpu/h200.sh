@@ -126,7 +126,7 @@ eval)
   HF=$!
   AL="python3 -m tensorrt_llm.bench.eval_acceptance --model $M --drafter gqa=$RUNS/gqa/drafter --drafter mla=$RUNS/mla/drafter
     --prompts-file /tmp/persist/eval_prompts.json --concurrency 64 --cuda-graph --attn-backend FLASHINFER --kv-max-tokens 262144
-    --rejection-sampler ${AL_REJ:-auto}"
+"
   CUDA_VISIBLE_DEVICES=0 timeout ${AL_S:-300} $AL --temperature 0 --max-tokens 256 --json $OUT/eval_al_t0.json 2>&1 | grep -v "^\[" | tail -14
   stamp "AL T=0 done"
   [[ ${AL7_S:-150} -gt 0 ]] && CUDA_VISIBLE_DEVICES=0 timeout ${AL7_S:-150} $AL --temperature 0.7 --limit 40 --max-tokens 128 --json $OUT/eval_al_t07.json 2>&1 | grep -v "^\[" | tail -14

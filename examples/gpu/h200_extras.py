@@ -88,7 +88,7 @@ def step_ratio(model: str, drafter: str, batches=(1, 16, 64), new_tokens: int = 
               speculative_config={"decoding_type": "DSpark", "speculative_model": drafter})
     ex = llm._executor
     timers = {"verify": 0.0, "draft": 0.0, "n_verify": 0, "n_draft": 0}
-    eng_fwd, drf = ex.engine.forward, ex.spec.draft_step
+    eng_fwd, drf = ex.engine.forward, ex.drafter.draft
 
     def timed_forward(segments):
         torch.cuda.synchronize()
@@ -109,7 +109,7 @@ def step_ratio(model: str, drafter: str, batches=(1, 16, 64), new_tokens: int = 
         timers["n_draft"] += 1
         return r
 
-    ex.engine.forward, ex.spec.draft_step = timed_forward, timed_draft
+    ex.engine.forward, ex.drafter.draft = timed_forward, timed_draft
     prompt = llm.apply_chat_template([{"role": "user", "content": "Write a long story about a robot."}])
     for b in batches:
         llm.generate([prompt] * b, SamplingParams(max_tokens=16, ignore_eos=True))   # warm-up / capture
@@ -118,7 +118,7 @@ def step_ratio(model: str, drafter: str, batches=(1, 16, 64), new_tokens: int = 
         llm.generate([prompt] * b, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
         v = timers["verify"] / max(timers["n_verify"], 1)
         d = timers["draft"] / max(timers["n_draft"], 1)
-        g = ex.spec.graph_runner
+        g = ex.drafter.graph_runner
         out.append({"batch": b, "verify_ms": v * 1000, "draft_ms": d * 1000, "draft_over_verify": d / v if v else None,
                     "verify_steps": timers["n_verify"], "draft_steps": timers["n_draft"],
                     "draft_graph_replays_total": g.num_replays if g else 0,

@@ -45,8 +45,8 @@ def _wrap_timers(ex, timers: dict) -> None:
     for name in PHASES:
         timed(ex, name, name.strip("_"))
     timed(ex.engine, "forward", "forward")
-    if ex.spec is not None:
-        timed(ex.spec, "draft_step", "draft_step")
+    if ex.drafter is not None:
+        timed(ex.drafter, "draft_step", "draft_step")
     timed(ex, "step", "step")
 
 
@@ -106,8 +106,8 @@ def profile_arm(model: str, drafter: str | None, batch: int, max_tokens: int, pr
            "tok_per_s": toks / wall, "ms_per_step": 1000 * wall / max(steps, 1),
            "step_ms_inside_step": step_ms, "phase_ms_per_step": phases,
            "tokens_per_step": toks / max(steps, 1)}
-    if ex.spec is not None:
-        g = ex.spec.graph_runner
+    if ex.drafter is not None:
+        g = ex.drafter.graph_runner
         res["draft_graph_replays"] = g.num_replays if g else 0
         res["draft_eager_fallbacks"] = g.num_eager_fallbacks if g else None
     # 2. GPU time per step (over another generate of the same requests)

@@ -146,8 +146,6 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     ap.add_argument("--kv-max-tokens", type=int, default=None)
     ap.add_argument("--cuda-graph", action="store_true", help="use_cuda_graph=True (FLASHINFER on CUDA)")
     ap.add_argument("--attn-backend", default="AUTO")
-    ap.add_argument("--rejection-sampler", default="auto", choices=["auto", "torch", "flashinfer", "batched"],
-                    help="speculative_config.rejection_sampler for T>0 (torch skips flashinfer's JIT)")
     ap.add_argument("--prompts-file", help="read prompts exported by --export-prompts (offline)")
     ap.add_argument("--export-prompts", help="write the eval prompts to this JSON file and exit")
     ap.add_argument("--json", help="write results here")
@@ -186,8 +184,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         arms = {}
         for name, path in drafters.items():
             t0 = time.perf_counter()
-            arms[name] = run_arm(a.model, path, prompts, temp, a.max_tokens, a.concurrency, a.device, extra,
-                                 {"rejection_sampler": a.rejection_sampler})
+            arms[name] = run_arm(a.model, path, prompts, temp, a.max_tokens, a.concurrency, a.device, extra, {})
             print(f"[T={temp}] {name}: {time.perf_counter() - t0:.1f} s", flush=True)
         rows = summarize(arms, pairs)
         print_table(rows, f"AL at T={temp} (max_tokens={a.max_tokens}, pooled AL, SE clustered on prompt)")

@@ -51,12 +51,13 @@ import torch
 
 from .._torch.attention_backend.flashinfer_backend import FlashInferAttention
 from .._torch.pyexecutor.cuda_graph_runner import CUDAGraphRunner
-from .._torch.pyexecutor.kv_cache_spec import KVCacheSpec
-from .._torch.pyexecutor.llm_request import LlmRequest
+from .._torch.runtime.cuda_graph import GraphCache
+from .._torch.pyexecutor.kv_cache.kv_cache_spec import KVCacheSpec
+from .._torch.runtime.llm_request import LlmRequest
 from .._torch.pyexecutor.model_engine import ModelEngine
 from .._torch.pyexecutor.py_executor import PyExecutor
-from .._torch.pyexecutor.resource_manager import KVCacheManager
-from .._torch.pyexecutor.sampler import Sampler
+from .._torch.pyexecutor.kv_cache.resource_manager import KVCacheManager
+from .._torch.runtime.sampler import Sampler
 from .._torch.pyexecutor.scheduler import Scheduler
 from ..llmapi.outputs import GenerationResult
 from ..llmapi.tokenizer import TokenizerWrapper
@@ -126,17 +127,24 @@ class _FakeModel(torch.nn.Module):
         return torch.nn.functional.one_hot(nxt, FAKE_VOCAB).float()   # [T, FAKE_VOCAB]
 
 
-class _FakeGraph:
-    """`replay()` runs the fake model on the entry's persistent inputs (timed apart: GPU work)."""
+class _HostGraphCache(GraphCache):
+    """A graph cache whose "replay" runs the fake model on the entry's persistent inputs (timed apart:
+    the GPU work), so the real runner's host path runs without CUDA."""
 
-    def __init__(self, runner: "_HostGraphRunner", entry):
-        self.runner, self.entry = runner, entry
+    def __init__(self, timer: "_Timer"):
+        super().__init__(torch.device("cpu"))
+        self.timer = timer
 
-    def replay(self) -> None:
+    def replay(self, entry, forward):
+        if entry.graph is None:
+            entry.graph = "host"
+            self.num_captures += 1
         t0 = time.perf_counter()
-        logits, _ = self.runner._forward(self.entry)
-        self.entry.logits = logits
-        self.runner.timer.add("replay", time.perf_counter() - t0)
+        entry.outputs = forward(entry)
+        self.timer.add("replay", time.perf_counter() - t0)
+        entry.replays += 1
+        self.num_replays += 1
+        return entry.outputs
 
 
 class _HostGraphRunner(CUDAGraphRunner):
@@ -145,10 +153,7 @@ class _HostGraphRunner(CUDAGraphRunner):
     def __init__(self, timer: "_Timer", *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.device = torch.device("cpu")    # built for "cuda" (its check), buffers on the CPU
-        self.timer = timer
-
-    def _capture(self, entry) -> None:
-        entry.graph = _FakeGraph(self, entry)
+        self.graphs = _HostGraphCache(timer)
 
 
 # ---- timing ---------------------------------------------------------------------------------------

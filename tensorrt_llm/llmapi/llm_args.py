@@ -99,6 +99,11 @@ class TorchLlmArgs(StrictBaseModel):
         default="AUTO", description="Attention backend of the target model.")
     use_cuda_graph: bool = Field(
         default=False, description="Capture decode/verify steps in CUDA graphs (CUDA only).")
+    disable_overlap_scheduler: bool = Field(
+        default=False, description="Turn off the overlap scheduler: by default a non-speculative step's "
+        "tokens stay on the device as the next step's inputs and are read (stop criteria applied) one "
+        "step later, while the GPU runs that step; outputs are the same either way. DSpark steps verify "
+        "on the host every step and do not overlap.")
     kv_cache_config: KvCacheConfig = Field(
         default_factory=KvCacheConfig, description="Paged KV cache settings.")
     speculative_config: Optional[SpeculativeConfig] = Field(

@@ -41,7 +41,7 @@ from ..attention_backend.interface import BAD_PAGE_INDEX, AttentionBackend, Atte
 from ..runtime.cuda_graph import (GraphCache, GraphEntry, batch_buckets, check_graph_support, fill_padded,
                                   flat_rows, owned_rows)
 from ..runtime.sampler import host_ints
-from ..runtime.token_rows import VerifyTokens
+from ..runtime.token_rows import DraftRow, VerifyTokens
 from .kv_cache.resource_manager import KVCacheManager
 from .step_split import graph_candidates
 
@@ -68,6 +68,26 @@ def gather_drafts(dst: torch.Tensor, tokens: Sequence[VerifyTokens], rows: Seque
         else:
             dev = dst.device
             dst[:, 1:].index_copy_(0, host_ints(js, dev), pend.device.index_select(0, host_ints(src, dev))[:, :k])
+
+
+def gather_rows(dst: torch.Tensor, tokens: Sequence[DraftRow], rows: Sequence[int]) -> None:
+    """dst [bucket, q] input ids on the device: row rows[n] <- tokens[n] (a whole segment still on the
+    device, e.g. the overlap scheduler's previous token), queued behind the step that chose it."""
+    q = dst.shape[1]
+    groups: dict[int, tuple[Any, list[int], list[int]]] = {}
+    for j, t in zip(rows, tokens):
+        if len(t) != q:
+            raise ValueError(f"segment of {len(t)} device tokens in a graph of {q}")
+        g = groups.setdefault(id(t.pending), (t.pending, [], []))
+        g[1].append(j)
+        g[2].append(t.index)
+    for pend, js, src in groups.values():
+        n = len(js)
+        if js == list(range(js[0], js[0] + n)) and src == list(range(src[0], src[0] + n)):
+            dst[js[0]:js[0] + n].copy_(pend.device[src[0]:src[0] + n, :q])
+        else:
+            dev = dst.device
+            dst.index_copy_(0, host_ints(js, dev), pend.device.index_select(0, host_ints(src, dev))[:, :q])
 
 
 class StepPlan(NamedTuple):
@@ -221,16 +241,18 @@ class CUDAGraphRunner:
             entry.copied.synchronize()     # the previous step's copy has left the staging buffer
         ids, pos, slot, table = entry.host_views
         lazy = [j for j, s in enumerate(segments) if isinstance(s.token_ids, VerifyTokens)]
-        if lazy:
-            # anchors from the host, draft columns zero (gathered on the device below); segments
-            # whose drafts are host lists are written whole
+        rows = [j for j, s in enumerate(segments) if isinstance(s.token_ids, DraftRow)]
+        if lazy or rows:
+            # device-resident tokens are gathered on the device below; here: anchors of verify
+            # segments, and segments whose tokens are host lists, written whole
             tok = ids[:b * q].reshape(b, q)
-            tok[:, 1:] = 0
-            tok[:, 0] = [s.token_ids[0] if not isinstance(s.token_ids, VerifyTokens) else s.token_ids.anchor
-                         for s in segments]
-            if len(lazy) < b:
-                for j in sorted(set(range(b)) - set(lazy)):
-                    tok[j] = segments[j].token_ids
+            tok[:] = 0
+            for j, seg in enumerate(segments):
+                t = seg.token_ids
+                if isinstance(t, VerifyTokens):
+                    tok[j, 0] = t.anchor
+                elif not isinstance(t, DraftRow):
+                    tok[j] = t
         else:
             ids[:b * q] = flat_rows([s.token_ids for s in segments], b * q, "token_ids")
         slot[:b * q] = plan.slots.reshape(-1)
@@ -246,6 +268,8 @@ class CUDAGraphRunner:
             entry.copied.record()
         if lazy:
             gather_drafts(entry.input_ids.view(bucket, q), [segments[j].token_ids for j in lazy], lazy)
+        if rows:
+            gather_rows(entry.input_ids.view(bucket, q), [segments[j].token_ids for j in rows], rows)
         md = entry.md
         md.num_cached = plan.starts.tolist() + [0] * (bucket - b)
         md.graph_shape = (bucket, q, max_pages)

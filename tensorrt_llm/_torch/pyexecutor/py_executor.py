@@ -11,6 +11,7 @@ later call raises at once.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 import queue
 import threading
 import time
@@ -22,6 +23,7 @@ import torch
 from ..runtime.llm_request import LlmRequest, RequestState
 from ..runtime.sampler import Sampler
 from ..runtime.step import ForwardOutput, ForwardSegment, StepCommit
+from ..runtime.token_rows import PendingDrafts
 from ..speculative.interface import Drafter
 from .kv_cache.resource_manager import KVCacheManager
 from .model_engine import ModelEngine
@@ -34,10 +36,14 @@ UpdateCallback = Callable[[LlmRequest, list[int]], None]
 
 class PyExecutor:
     def __init__(self, engine: ModelEngine, scheduler: Scheduler, sampler: Sampler, kv: KVCacheManager,
-                 decode: Callable[[Sequence[int]], str], drafter: Optional[Drafter] = None):
+                 decode: Callable[[Sequence[int]], str], drafter: Optional[Drafter] = None,
+                 overlap: bool = False):
+        """overlap: run the overlap scheduler on non-speculative steps (`_OverlapStep`)."""
         self.engine, self.scheduler, self.sampler, self.kv = engine, scheduler, sampler, kv
         self.decode = decode
         self.drafter = drafter
+        self.overlap = overlap and drafter is None
+        self._inflight: Optional[_OverlapStep] = None   # the launched step whose tokens are not read yet
         self._abort_ids: set[int] = set()
         self._abort_lock = threading.Lock()
         self._submit_lock = threading.Lock()     # a submitted group is refused or reaches the loop
@@ -135,13 +141,26 @@ class PyExecutor:
 
     # ---- one iteration -----------------------------------------------------------------
     def step(self) -> None:
-        """schedule -> forward -> choose / verify -> append + kv.commit -> drafter.draft."""
+        """schedule -> forward -> choose / verify -> append + kv.commit -> drafter.draft.
+
+        With the overlap scheduler the step's tokens stay on the device: the next step is launched
+        with them as inputs, and this step's tokens are read (stop criteria applied) one step later,
+        while the GPU runs that next step (`_OverlapStep`)."""
         self._apply_aborts()
         batch = self.scheduler.schedule()
         for req in batch.failed:                 # refused at admission: that request alone
             self._deliver(req, [])
+        if self.overlap:
+            batch.generation_requests = [r for r in batch.generation_requests if not _last_token_pending(r)]
         if batch.empty:
-            if self.scheduler.waiting and not self.scheduler.running:
+            if self._inflight is not None:
+                self._final_notices = []
+                try:
+                    self._read_overlapped()
+                    self._retire_finished()
+                finally:
+                    self._flush_notices()
+            elif self.scheduler.waiting and not self.scheduler.running:
                 req = self.scheduler.waiting.popleft()
                 req.error = "request can never fit in the KV cache"
                 req.finish("error")
@@ -163,15 +182,65 @@ class PyExecutor:
                     self._fail(req, e)
                 self._retire_finished()
                 return
-            chosen, verified = self._choose_tokens(reqs, segments, num_ctx, out)
-            commits = self._update_requests(reqs, segments, num_ctx, out, chosen, verified)
-            if self.drafter is not None and out.captured is not None and commits:
-                self._isolated(lambda cs: self.drafter.draft(cs, out.captured), commits, lambda c: c.req)
+            if self.overlap:
+                self._launch_overlapped(reqs, segments, num_ctx, out)
+            else:
+                chosen, verified = self._choose_tokens(reqs, segments, num_ctx, out)
+                commits = self._update_requests(reqs, segments, num_ctx, out, chosen, verified)
+                if self.drafter is not None and out.captured is not None and commits:
+                    self._isolated(lambda cs: self.drafter.draft(cs, out.captured), commits, lambda c: c.req)
             self._retire_finished()
         finally:
-            notices, self._final_notices = self._final_notices, None
-            for req, tokens in notices:
-                self._deliver(req, tokens)
+            self._flush_notices()
+
+    def _flush_notices(self) -> None:
+        notices, self._final_notices = self._final_notices, None
+        for req, tokens in notices or ():
+            self._deliver(req, tokens)
+
+    # ---- overlap scheduler ---------------------------------------------------------------
+    def _launch_overlapped(self, reqs: list[LlmRequest], segments: list[ForwardSegment], num_ctx: int,
+                           out: ForwardOutput) -> None:
+        """Queue this step's token choice on the device and its host copy; advance every request as
+        if its token were known (its next input is the device row); then read the previous step."""
+        rows = [(out.logits_offsets[i], req) for i, (req, seg) in enumerate(zip(reqs, segments))
+                if not req.sampling_params.greedy and seg.num_logits]
+        ids = self.sampler.choose(out.logits, [r for r, _ in rows], [q.request_id for _, q in rows],
+                                  [q.sampling_params for _, q in rows]) if out.logits.shape[0] else None
+        tokens = PendingDrafts(ids.view(-1, 1)) if ids is not None else None
+        launched, index = [], []
+        for i, (req, seg) in enumerate(zip(reqs, segments)):
+            req.num_computed += len(seg.token_ids)
+            if seg.num_logits:
+                req.state = RequestState.GENERATION
+                req.next_input = tokens.row(out.logits_offsets[i], 1)
+                launched.append(req)
+                index.append(out.logits_offsets[i])
+        prev, self._inflight = self._inflight, _OverlapStep(launched, index, tokens)
+        if prev is not None:
+            self._read_overlapped(prev)
+
+    def _read_overlapped(self, step: Optional["_OverlapStep"] = None) -> None:
+        """Append the tokens of a launched step (waits for its host copy only), applying stop criteria;
+        a request that stopped earlier drops its token (the step ran for nothing, as it may)."""
+        if step is None:
+            step, self._inflight = self._inflight, None
+        for req, row in zip(step.reqs, step.rows()):
+            if req.is_finished:
+                continue
+            try:
+                if req.first_token_time is None:
+                    req.first_token_time = time.perf_counter()
+                if req.next_input is not None and req.next_input.pending is step.tokens:
+                    req.next_input = None            # its value is in the output from now on
+                self._append(req, row)
+                committed = min(req.num_computed, req.num_tokens - 1)   # the last token's KV: in flight
+                if self.kv.wants_commit(req.request_id, committed):
+                    self.kv.commit(req.request_id, req.all_token_ids, committed)
+            except Exception as e:
+                if _is_fatal(e):
+                    raise
+                self._fail(req, e)
 
     def _build_segments(self, batch: ScheduledBatch) -> tuple[list[LlmRequest], list[ForwardSegment]]:
         """Requests of the step (prompt chunks first) and their forward segments; owns their pages."""
@@ -186,7 +255,10 @@ class PyExecutor:
                                            start, 1 if finishes else 0))
         for req in batch.generation_requests:
             start = req.num_computed
-            toks = self.drafter.verify_tokens(req) if self.drafter is not None else [req.token_at(start)]
+            if self.drafter is not None:
+                toks = self.drafter.verify_tokens(req)
+            else:   # overlap: the previous step's token is still on the device
+                toks = req.next_input if req.next_input is not None else [req.token_at(start)]
             ensure(req.request_id, start + len(toks) + room)
             segments.append(ForwardSegment(req.request_id, toks, start, len(toks)))
         return batch.context_requests + batch.generation_requests, segments
@@ -386,3 +458,23 @@ def _is_fatal(e: Exception) -> bool:
     """An error that leaves the device in an unknown state (every in-flight request fails)."""
     return isinstance(e, (torch.cuda.OutOfMemoryError, MemoryError)) or "CUDA error" in str(e) \
         or type(e).__name__ == "AcceleratorError"
+
+
+@dataclass
+class _OverlapStep:
+    """A launched step whose tokens are not read yet: the requests that chose a token, their rows
+    of `tokens` ([N, 1] on the device, host copy under way)."""
+
+    reqs: list[LlmRequest]
+    row_index: list[int]
+    tokens: Optional[PendingDrafts]
+
+    def rows(self) -> list[list[int]]:
+        """[token] per request, in order (waits for this step's host copy only)."""
+        host = self.tokens.rows() if self.tokens is not None else []
+        return [host[i] for i in self.row_index]
+
+
+def _last_token_pending(req: LlmRequest) -> bool:
+    """The request's device-resident token is its max_tokens-th: nothing to launch for it."""
+    return req.next_input is not None and len(req.output_token_ids) + 1 >= req.sampling_params.max_tokens

@@ -89,7 +89,8 @@ def create_py_executor(args: TorchLlmArgs, tokenizer: TokenizerWrapper) -> Execu
         spec_worker.bind(kv, sampler)
         if args.use_cuda_graph:
             spec_worker.enable_cuda_graphs(args.max_batch_size)
-    executor = PyExecutor(engine, sched, sampler, kv, tokenizer.decode, spec_worker)
+    executor = PyExecutor(engine, sched, sampler, kv, tokenizer.decode, spec_worker,
+                          overlap=not args.disable_overlap_scheduler)
     report = kv.report()
     report.update({
         "device": str(device), "dtype": str(dtype).replace("torch.", ""), "max_seq_len": max_seq_len,

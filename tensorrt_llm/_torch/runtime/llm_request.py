@@ -7,7 +7,10 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Optional, Sequence
 
+import torch
+
 from ...sampling_params import SamplingParams
+from .token_rows import DraftRow
 
 
 class RequestState(enum.Enum):
@@ -40,7 +43,10 @@ class LlmRequest:
     finish_time: Optional[float] = None
     # proposed, awaiting verification: a list, or a `DraftRow` still on the device (graph drafts)
     draft_tokens: Sequence[int] = field(default_factory=list)
-    draft_probs: object = None                               # [K, V] drafter probs (T>0)
+    draft_probs: Optional[torch.Tensor] = None               # [K, V] drafter probs (T>0)
+    # overlap scheduler: the next input token while it is still on the device (a 1-token `DraftRow`
+    # of the step that chose it), None once it is in output_token_ids
+    next_input: Optional[DraftRow] = None
     context_only: bool = False      # disaggregation: stop after the first token
     num_verify_steps: int = 0       # speculative verify steps of this request
     num_accepted_drafts: int = 0    # drafts accepted over those steps
