@@ -132,8 +132,7 @@ class LLM:
             raise ValueError(f"request needs {need} tokens of KV but the pool holds "
                              f"{self._bundle.kv.max_tokens}")
 
-    def _make_request(self, prompt: PromptInput, params: Optional[SamplingParams], streaming: bool,
-                      context_only: bool):
+    def _make_request(self, prompt: PromptInput, params: Optional[SamplingParams], streaming: bool):
         """Tokenize and validate one prompt -> (LlmRequest, its GenerationResult); enqueues nothing."""
         from .._torch.runtime.llm_request import LlmRequest
         params = params or SamplingParams()
@@ -142,7 +141,7 @@ class LLM:
         rid = next(self._ids)
         end_ids = set() if params.ignore_eos else (
             {params.end_id} if params.end_id is not None else set(self.tokenizer.eos_token_ids))
-        req = LlmRequest(rid, ids, params, end_ids=frozenset(end_ids), context_only=context_only)
+        req = LlmRequest(rid, ids, params, end_ids=frozenset(end_ids))
         handle = GenerationResult(rid, text, ids, self.tokenizer.decode, params.stop_strings,
                                   params.include_stop_str_in_output, streaming, abort=self.abort)
         return req, handle
@@ -155,8 +154,8 @@ class LLM:
             self._executor.enqueue_requests([(req, handle._update) for req, handle in made])
 
     def generate_async(self, prompt: PromptInput, sampling_params: Optional[SamplingParams] = None,
-                       streaming: bool = False, context_only: bool = False) -> GenerationResult:
-        made = self._make_request(prompt, sampling_params, streaming, context_only)
+                       streaming: bool = False) -> GenerationResult:
+        made = self._make_request(prompt, sampling_params, streaming)
         self._submit([made])
         return made[1]
 
@@ -178,7 +177,7 @@ class LLM:
         made = []
         for i, (p, sp) in enumerate(zip(plist, params)):
             try:
-                made.append(self._make_request(p, sp, False, False))
+                made.append(self._make_request(p, sp, False))
             except ValueError as e:
                 raise ValueError(str(e) if single else f"prompt {i}: {e}") from e
         self._submit(made)

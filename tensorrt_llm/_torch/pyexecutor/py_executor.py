@@ -120,6 +120,7 @@ class PyExecutor:
     def _fail_all(self, reason: str) -> None:
         """Finish every queued and in-flight request with error `reason` and notify its caller
         (running requests' pages are freed first)."""
+        self._inflight = None            # a launched step's tokens are of no use to failed requests
         with self._submit_lock:          # every group accepted so far is in the queue
             self._drain_incoming()
         waiting = list(self.scheduler.waiting)

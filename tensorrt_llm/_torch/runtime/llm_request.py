@@ -47,7 +47,6 @@ class LlmRequest:
     # overlap scheduler: the next input token while it is still on the device (a 1-token `DraftRow`
     # of the step that chose it), None once it is in output_token_ids
     next_input: Optional[DraftRow] = None
-    context_only: bool = False      # disaggregation: stop after the first token
     num_verify_steps: int = 0       # speculative verify steps of this request
     num_accepted_drafts: int = 0    # drafts accepted over those steps
 

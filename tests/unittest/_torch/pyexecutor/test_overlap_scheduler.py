@@ -87,3 +87,42 @@ def test_gather_rows_places_device_tokens_in_graph_inputs():
     assert dst.view(-1).tolist() == [11, 12, 10, 0, 13, 0]
     with pytest.raises(ValueError, match="segment of 1 device tokens in a graph of 2"):
         gather_rows(torch.zeros(2, 2, dtype=torch.long), [pend.row(0, 1)], [0])
+
+
+@pytest.mark.gpu
+def test_steady_decode_steps_never_block_on_the_gpu(llama64_dir):
+    """20 steady-state no-spec decode steps with graphs and the overlap scheduler under
+    torch.cuda.set_sync_debug_mode("error"): no torch op in a step blocks on the device (the only
+    wait is on the previous step's token copy, an event). Outputs equal the plain loop's."""
+    pytest.importorskip("flashinfer")
+    from tensorrt_llm import LLM
+    prompts = [[5 + i, 6, 7, 8, 9 + i] for i in range(4)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    outs = {}
+    for overlap in (True, False):
+        with LLM(str(llama64_dir), attn_backend="FLASHINFER", use_cuda_graph=True, max_batch_size=4,
+                 kv_cache_config={"max_tokens": 4096}, disable_overlap_scheduler=not overlap) as llm:
+            ex = llm._executor
+            ex.shutdown()                               # drive by hand
+            handles = [llm.generate_async(p, params) for p in prompts]
+            ex._drain_incoming()
+            for _ in range(6):                          # prefill, warm-up and capture
+                ex.step()
+            if overlap:
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    for _ in range(20):
+                        ex.step()
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+            ex.run_until_idle()
+            outs[overlap] = [h.result(timeout=0).outputs[0].token_ids for h in handles]
+            assert ex.engine.graph_runner.num_replays >= 20
+    assert outs[True] == outs[False]
+    # control: the debug mode does see a blocking read of a device value
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError):
+            torch.ones(1, device="cuda").item()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
