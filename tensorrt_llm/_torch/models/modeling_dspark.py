@@ -350,11 +350,14 @@ def check_against_target(cfg: DSparkModelConfig, target: LlamaConfig, source: st
 
 
 def load_drafter(folder: str | Path, target_config: LlamaConfig, dtype: torch.dtype, device: torch.device,
-                 overrides: Optional[Mapping[str, Any]] = None) -> DSparkForCausalLMBase:
+                 overrides: Optional[Mapping[str, Any]] = None,
+                 max_positions: Optional[int] = None) -> DSparkForCausalLMBase:
     """Build the drafter named by `folder/config.json` and load its weights strictly.
 
     overrides: dspark_config keys to replace (e.g. mask_token_id, target_layer_ids from
     DSparkDecodingConfig); None values are skipped. The caller binds the target afterwards.
+    max_positions: rope positions the engine may reach (the target's table: max_seq_len plus the
+    draft lookahead), when more than either config's max_position_embeddings.
     """
     source = str(Path(folder) / "config.json")
     cfg_dict = read_config(folder)
@@ -366,7 +369,7 @@ def load_drafter(folder: str | Path, target_config: LlamaConfig, dtype: torch.dt
         cfg_dict = {**cfg_dict, "dspark_config": {**cfg_dict["dspark_config"], **ov}}
     cfg = DSparkModelConfig.from_dict(cfg_dict, source)
     check_against_target(cfg, target_config, source)
-    max_pos = max(cfg.max_position_embeddings, target_config.max_position_embeddings)
+    max_pos = max(cfg.max_position_embeddings, target_config.max_position_embeddings, max_positions or 0)
     model = DRAFTER_REGISTRY[cfg.architecture](cfg, max_pos)
     model.load_checkpoint_state(read_safetensors(folder), str(folder))
     return model.to(device=device, dtype=dtype).eval()

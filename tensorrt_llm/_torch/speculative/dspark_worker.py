@@ -326,7 +326,9 @@ def create_dspark_worker(cfg: DSparkDecodingConfig, target: torch.nn.Module, dty
         overrides["mask_token_id"] = cfg.mask_token_id
     if cfg.target_layer_ids is not None:
         overrides["target_layer_ids"] = list(cfg.target_layer_ids)
-    drafter = load_drafter(cfg.speculative_model, target.config, dtype, device, overrides)
+    # the draft block looks past the last committed token: rope positions as far as the target's
+    drafter = load_drafter(cfg.speculative_model, target.config, dtype, device, overrides,
+                           max_positions=target.rotary.max_positions)
     n_layers = target.config.num_hidden_layers
     bad = [i for i in drafter.config.target_layer_ids if not 0 <= i < n_layers]
     if bad:
