@@ -188,11 +188,6 @@ class CUDAGraphRunner:
             slots, rows, starts = slots[keep], rows[keep], starts[keep]
         return idx, StepPlan(self._bucket(len(idx)), q, slots, rows, starts)
 
-    def plan_step(self, segments) -> Optional[StepPlan]:
-        """A `StepPlan` (bucket, q, slots [B, q], ...) when the whole step can replay a graph, else None."""
-        group = self.plan_group(segments)
-        return group[1] if group is not None and len(group[0]) == len(segments) else None
-
     # ---- run -------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, segments) -> Optional[GraphRun]:

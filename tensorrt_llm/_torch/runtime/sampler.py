@@ -163,7 +163,3 @@ class Sampler:
         if self._vocab_hash is None or self._vocab_hash.numel() != vocab or self._vocab_hash.device != device:
             self._vocab_hash = mix32(torch.arange(vocab, dtype=torch.int64, device=device) * 0x9E3779B1 & _M32)
         return self._vocab_hash
-
-    def sample_row(self, logits: torch.Tensor, request_id: int, params: SamplingParams) -> int:
-        """logits [V] -> one sampled id (the batched path on one row; syncs)."""
-        return int(self.sample_rows(logits[None], [request_id], [params])[0])

@@ -103,7 +103,7 @@ def test_break_draft_reuse_writes_tail_over_the_reused_prefix(make_llm, tiny_lla
     import time
 
     from tensorrt_llm import SamplingParams
-    from tensorrt_llm._torch.pyexecutor.block_pool import chain_hash
+    from tensorrt_llm._torch.pyexecutor.kv_cache.block_pool import chain_hash
 
     with pytest.raises(ValueError, match="drafter"):
         mt.break_draft_reuse(make_llm(tiny_llama_dir, kv_cache_config={"max_tokens": 256}))

@@ -20,6 +20,12 @@ TOL = 2e-2
 NEG_MIN = 0.2
 
 
+def whole_step_plan(runner, segments):
+    """The runner's StepPlan when every segment of the step can replay, else None."""
+    group = runner.plan_group(segments)
+    return group[1] if group is not None and len(group[0]) == len(segments) else None
+
+
 def gpu(test):
     return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
 
@@ -131,7 +137,7 @@ def test_runner_host_staging_matches_reference_on_cpu():
         for r, s in zip(ids, starts):
             kv.ensure_capacity(r, s + q + rng.randrange(0, 40))
         segs = [ForwardSegment(r, [rng.randrange(512) for _ in range(q)], s, q) for r, s in zip(ids, starts)]
-        plan = runner.plan_step(segs)
+        plan = whole_step_plan(runner, segs)
         assert plan is not None and plan.slots.tolist() == [kv.slots(r, s, q) for r, s in zip(ids, starts)]
         entry = runner.graphs.entry((plan.bucket, q), lambda: runner._new_entry(plan.bucket, q))
         with torch.inference_mode():
@@ -147,8 +153,8 @@ def test_runner_host_staging_matches_reference_on_cpu():
     # a write beyond the pages a request owns is not graphable (negative control)
     kv.add_sequence(99, [1], 160)
     kv.ensure_capacity(99, 16)
-    assert runner.plan_step([ForwardSegment(99, [5], 15, 1)]) is not None
-    assert runner.plan_step([ForwardSegment(99, [5], 16, 1)]) is None
+    assert whole_step_plan(runner, [ForwardSegment(99, [5], 15, 1)]) is not None
+    assert whole_step_plan(runner, [ForwardSegment(99, [5], 16, 1)]) is None
 
 
 def test_runner_gathers_device_drafts_into_its_inputs_on_cpu():
@@ -174,7 +180,7 @@ def test_runner_gathers_device_drafts_into_its_inputs_on_cpu():
     order = [3, 0, 4, 1]                      # request r takes draft row r
     segs = [ForwardSegment(r, VerifyTokens(100 + r, pend.row(r)), 10 + r, q) for r in order]
     segs.insert(2, ForwardSegment(2, [7, 8, 9, 10], 12, q))     # drafts already on the host
-    plan = runner.plan_step(segs)
+    plan = whole_step_plan(runner, segs)
     entry = runner._new_entry(plan.bucket, q)
     with torch.inference_mode():
         runner._load_inputs(entry, segs, plan)

@@ -37,6 +37,12 @@ def test_graph_candidates_layouts():
     assert graph_candidates([(1, 1), (4, 4)], tc) == (4, [1])                    # tie: larger q
 
 
+def whole_step_plan(runner, segments):
+    """The runner's StepPlan when every segment of the step can replay, else None."""
+    group = runner.plan_group(segments)
+    return group[1] if group is not None and len(group[0]) == len(segments) else None
+
+
 def _reference_offsets(shapes, graph, q):
     """Label every row of the stitched tensors by (segment, index) the slow way; return the
     row holding each segment's first token / first logit."""
@@ -148,11 +154,11 @@ def test_plan_group_shape_ownership_and_bucket_cap():
     assert idx == [1, 4, 5] and plan.q == 4 and plan.bucket == 4       # request 3 writes past its pages
     assert plan.slots.tolist() == [kv.slots(r, s, 4) for r, s in ((1, 20), (4, 20), (5, 3))]
     assert plan.starts.tolist() == [20, 20, 3]
-    assert runner.plan_step(segs) is None                              # not the whole step
+    assert whole_step_plan(runner, segs) is None                              # not the whole step
     many = [ForwardSegment(r, [7] * 4, 4, 4) for r in range(7)]
     idx, plan = runner.plan_group(many)
     assert idx == [0, 1, 2, 3] and plan.bucket == 4                    # at most the largest bucket
-    assert runner.plan_step(many[:4]).bucket == 4
+    assert whole_step_plan(runner, many[:4]).bucket == 4
     assert runner.plan_group([ForwardSegment(3, [1] * 4, 29, 4), segs[0]]) is None
 
 

@@ -31,9 +31,14 @@ def test_processed_probs_greedy_top_k_top_p():
     assert torch.equal(tiny, torch.eye(8)[0])
 
 
+
+def _one(sampler, logits, request_id, params) -> int:
+    """One request's draw from logits [V] through the batched path (syncs)."""
+    return int(sampler.sample_rows(logits[None], [request_id], [params])[0])
+
 def _draws(params, n, seed=0, rid=0):
     s = Sampler(default_seed=seed, device=CPU)
-    return torch.tensor([s.sample_row(LOGITS, rid, params) for _ in range(n)])
+    return torch.tensor([int(s.sample_rows(LOGITS[None], [rid], [params])[0]) for _ in range(n)])
 
 
 def _chi2(draws, probs):
@@ -80,12 +85,12 @@ def test_seeds_per_request():
 def test_interleaved_requests_do_not_share_rng():
     p = SamplingParams(temperature=1.0)
     s = Sampler(0, CPU)
-    alone = [s.sample_row(LOGITS, 1, p) for _ in range(30)]
+    alone = [_one(s, LOGITS, 1, p) for _ in range(30)]
     s.release(1)
     mixed = []
     for _ in range(30):
-        mixed.append(s.sample_row(LOGITS, 1, p))
-        s.sample_row(LOGITS, 2, p)
+        mixed.append(_one(s, LOGITS, 1, p))
+        _one(s, LOGITS, 2, p)
     assert mixed == alone
 
 
@@ -110,10 +115,10 @@ def test_batched_rows_equal_each_request_alone():
     rows = [batched.sample_rows(logits, [10, 11, 12], params).tolist() for _ in range(40)]
     for j, p in enumerate(params):
         alone = Sampler(0, CPU)
-        assert [r[j] for r in rows] == [alone.sample_row(logits[j], 10 + j, p) for _ in range(40)]
+        assert [r[j] for r in rows] == [_one(alone, logits[j], 10 + j, p) for _ in range(40)]
     # negative control: another request id (another default seed) draws another sequence
     other = Sampler(0, CPU)
-    assert [r[0] for r in rows] != [other.sample_row(logits[0], 99, params[0]) for _ in range(40)]
+    assert [r[0] for r in rows] != [_one(other, logits[0], 99, params[0]) for _ in range(40)]
 
 
 def test_race_noise_is_uniform_and_independent_across_draws_and_rows():
