@@ -90,6 +90,12 @@ class LLM:
         """Restart get_stats()["kv_cache"]["peak_used_pages"], the most KV pages in use since."""
         self._bundle.kv.reset_peak()
 
+    def reset_speculative_stats(self) -> None:
+        """Start a new window for get_stats()["speculative"] (acceptance histogram, AL, draft counts):
+        they count the verify steps since the last reset (since construction before any)."""
+        if self._executor.drafter is not None:
+            self._executor.drafter.reset_stats()
+
     # ---- generation --------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt)

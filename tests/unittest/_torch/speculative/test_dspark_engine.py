@@ -292,3 +292,20 @@ def test_sampled_spec_output_has_the_no_spec_distribution(tiny_llama_dir, drafte
     biased, _ = _first_two_tokens(tiny_llama_dir, drafters["gqa"], n, seed0=n)
     chi2_bad, dof_bad = _two_sample_chi2(plain, biased)
     assert chi2_bad > 3 * crit, (chi2_bad, dof_bad)
+
+
+def test_acceptance_window_resets(tiny_llama_dir, drafters):
+    """#19 defect 10: get_stats() AL was cumulative over the LLM's life; reset_speculative_stats()
+    starts a new window that counts only later verify steps."""
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    with LLM(str(tiny_llama_dir), device="cpu", kv_cache_config={"max_tokens": 1024},
+             speculative_config=_spec(drafters["gqa"])) as llm:
+        llm.generate(PROMPTS[:3], params)
+        first = llm.get_stats()["speculative"]["request_steps"]
+        llm.generate(PROMPTS[:1], params)
+        cumulative = llm.get_stats()["speculative"]["request_steps"]
+        llm.reset_speculative_stats()
+        assert llm.get_stats()["speculative"]["request_steps"] == 0
+        llm.generate(PROMPTS[:1], params)
+        window = llm.get_stats()["speculative"]["request_steps"]
+    assert first > 0 and window == cumulative - first      # the same request alone, counted again
