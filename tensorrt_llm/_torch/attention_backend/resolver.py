@@ -80,8 +80,9 @@ class Resolution:
     reason: str
 
 
-def resolve_name(requested: str, probe: Probe, mla: bool) -> Resolution:
-    """Pick a backend name. Raises ValueError for unknown or unavailable explicit choices."""
+def resolve_name(requested: str, probe: Probe, mla: bool, fp8_kv: bool = False) -> Resolution:
+    """Pick a backend name. Raises ValueError for unknown or unavailable explicit choices.
+    fp8_kv: the KV pool is fp8, so AUTO skips backends that do not declare `capabilities.fp8_kv`."""
     if requested != "AUTO":
         if requested not in KNOWN_BACKENDS:
             raise ValueError(f"unknown attention backend {requested!r}; known: AUTO, {', '.join(KNOWN_BACKENDS)}")
@@ -100,6 +101,8 @@ def resolve_name(requested: str, probe: Probe, mla: bool) -> Resolution:
     reasons = []
     for name in ("FLASHINFER", "VANILLA"):
         why = _why_unavailable(name, probe, mla=False)
+        if not why and fp8_kv and not _LOADERS[name]().capabilities.fp8_kv:
+            why = "no fp8 KV (capabilities.fp8_kv is False)"
         if not why:
             note = "; ".join(reasons)
             return Resolution(name, f"AUTO on CUDA sm{probe.sm}: {name}" + (f" (skipped: {note})" if note else ""))
@@ -108,9 +111,9 @@ def resolve_name(requested: str, probe: Probe, mla: bool) -> Resolution:
 
 
 def create_backend(requested: str, device: torch.device, mla: bool = False,
-                   probe: Probe | None = None) -> tuple[AttentionBackend, Resolution]:
+                   probe: Probe | None = None, fp8_kv: bool = False) -> tuple[AttentionBackend, Resolution]:
     """Resolve and instantiate; logs the choice and its reason."""
-    res = resolve_name(requested, probe or probe_environment(device), mla)
+    res = resolve_name(requested, probe or probe_environment(device), mla, fp8_kv)
     try:
         cls = _LOADERS[res.name]()
     except (ImportError, KeyError, AttributeError) as e:

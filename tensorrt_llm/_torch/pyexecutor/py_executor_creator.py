@@ -52,9 +52,10 @@ def create_py_executor(args: TorchLlmArgs, tokenizer: TokenizerWrapper) -> Execu
         raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings {model_max}")
     model = load_target_model(args.model, dtype, device, max_positions=max_seq_len + 64)
     cfg = model.config
-    backend, res = create_backend(args.attn_backend, device, mla=False)
     kvc = args.kv_cache_config
     kv_dtype = kv_dtype_from_name(kvc.dtype, dtype)
+    backend, res = create_backend(args.attn_backend, device, mla=False,
+                                  fp8_kv=kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2))
     n_layers, n_kv, head_dim = model.kv_cache_layout()
     specs = [KVCacheSpec("target", "gqa", n_layers, 2, n_kv, head_dim, kv_dtype)]
     spec_worker, drafter_report = None, None

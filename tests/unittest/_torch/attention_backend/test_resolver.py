@@ -111,3 +111,12 @@ def test_flashinfer_load_failure_is_a_clear_error(monkeypatch):
 def test_capacity_report_names_backend_and_reason(tiny_llama_dir, make_llm):
     rep = make_llm(tiny_llama_dir).capacity_report["attention_backend"]["target"]
     assert rep["name"] == "VANILLA" and "cpu" in rep["reason"]
+
+
+def test_auto_with_an_fp8_kv_pool_skips_backends_without_fp8_kv():
+    """AUTO on CUDA with an fp8 KV pool: FLASHINFER declares no fp8 KV, so VANILLA, with the reason;
+    a bf16 pool (the control) still gets FLASHINFER."""
+    res = resolve_name("AUTO", H100, mla=False, fp8_kv=True)
+    assert res.name == "VANILLA" and "FLASHINFER: no fp8 KV" in res.reason
+    assert resolve_name("AUTO", H100, mla=False, fp8_kv=False).name == "FLASHINFER"
+    assert resolve_name("AUTO", CPU, mla=False, fp8_kv=True).name == "VANILLA"
