@@ -79,7 +79,7 @@ def bench_config(path: Path, backend: str, graphs: bool, batch_sizes: list[int])
             result[b] = b * NEW_TOKENS / max(t_all - t_prefill, 1e-9)
         runner = llm._bundle.executor.engine.graph_runner
         if runner is not None:
-            print(f"  graphs: {runner.num_captures} captured, {runner.num_replays} replays, "
+            print(f"  graphs: {runner.graphs.num_captures} captured, {runner.graphs.num_replays} replays, "
                   f"{runner.num_eager_fallbacks} eager steps", flush=True)
     finally:
         llm.shutdown()

@@ -108,7 +108,7 @@ def profile_arm(model: str, drafter: str | None, batch: int, max_tokens: int, pr
            "tokens_per_step": toks / max(steps, 1)}
     if ex.drafter is not None:
         g = ex.drafter.graph_runner
-        res["draft_graph_replays"] = g.num_replays if g else 0
+        res["draft_graph_replays"] = g.graphs.num_replays if g else 0
         res["draft_eager_fallbacks"] = g.num_eager_fallbacks if g else None
     # 2. GPU time per step (over another generate of the same requests)
     res.update(_gpu_ms_per_step(llm, chat, params))

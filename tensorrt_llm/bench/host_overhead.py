@@ -243,8 +243,8 @@ def run_once(batch: int, streaming: bool, args, tok, stream, seed: int,
             steps += 1
     if steps == 0:
         raise ValueError("no decode step was timed (warmup + steps beyond max_tokens?)")
-    if ex.engine.graph_runner.num_replays < steps:
-        raise RuntimeError(f"only {ex.engine.graph_runner.num_replays} of {steps} timed steps replayed a graph")
+    if ex.engine.graph_runner.graphs.num_replays < steps:
+        raise RuntimeError(f"only {ex.engine.graph_runner.graphs.num_replays} of {steps} timed steps replayed a graph")
     acc = {k: v * 1e6 / steps for k, v in timer.acc.items()}
     g = lambda k: acc.get(k, 0.0)  # noqa: E731
     out = {

@@ -275,11 +275,3 @@ class CUDAGraphRunner:
                                       self.backend, self.capture_layer_ids)
         logits = self.model.compute_logits(hidden)
         return logits, (torch.cat(captured, dim=-1) if captured else None)
-
-    @property
-    def num_captures(self) -> int:
-        return self.graphs.num_captures
-
-    @property
-    def num_replays(self) -> int:
-        return self.graphs.num_replays

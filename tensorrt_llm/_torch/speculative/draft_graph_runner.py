@@ -234,11 +234,3 @@ class DraftGraphRunner:
         hidden = d.forward_block(entry.blk_ids, entry.blk_pos, entry.md, self.kv_caches, self.backend)
         ids, _ = d.propose(hidden, entry.anchors, self.k_max)
         return ids
-
-    @property
-    def num_captures(self) -> int:
-        return self.graphs.num_captures
-
-    @property
-    def num_replays(self) -> int:
-        return self.graphs.num_replays

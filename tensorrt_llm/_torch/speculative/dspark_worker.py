@@ -309,7 +309,7 @@ class DSparkWorker(Drafter):
         d["attention_backend"] = self.resolution.name
         g = self.graph_runner
         if g is not None:
-            d["draft_cuda_graph"] = {"captures": g.num_captures, "replays": g.num_replays,
+            d["draft_cuda_graph"] = {"captures": g.graphs.num_captures, "replays": g.graphs.num_replays,
                                      "eager_steps": g.num_eager_fallbacks, "split_steps": g.num_split_steps}
         return d
 

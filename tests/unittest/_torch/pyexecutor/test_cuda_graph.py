@@ -249,7 +249,7 @@ def test_graph_matches_eager_teacher_forced(llama64_dir, batch):
             assert rel(graph.logits.roll(1, 0), vanilla.logits) > NEG_MIN
         pos = [p + q for p in pos]
     runner = engines["graph"].graph_runner
-    assert runner.num_replays == len(qs) and runner.num_captures == 2      # (bucket, 1), (bucket, 3)
+    assert runner.graphs.num_replays == len(qs) and runner.graphs.num_captures == 2      # (bucket, 1), (bucket, 3)
     assert runner.num_eager_fallbacks == 1                                 # the prefill
 
 
@@ -279,7 +279,7 @@ def test_llm_greedy_graph_matches_vanilla(llama64_dir, make_llm, hf_reference):
     fi = make_llm(llama64_dir, attn_backend="FLASHINFER", use_cuda_graph=True, **common)
     got = [o.outputs[0].token_ids for o in fi.generate(prompts, sp)]
     runner = fi._bundle.executor.engine.graph_runner
-    assert runner.num_replays > 0 and runner.num_captures >= 1
+    assert runner.graphs.num_replays > 0 and runner.graphs.num_captures >= 1
     ref = [o.outputs[0].token_ids for o in
            make_llm(llama64_dir, attn_backend="VANILLA", **common).generate(prompts, sp)]
     hf = hf_reference.load(llama64_dir)

@@ -290,5 +290,5 @@ def test_mixed_step_graph_split_matches_eager(llama64_dir):
         for s in segs:
             pos[s.request_id] += len(s.token_ids)
     runner = graph.graph_runner
-    assert runner.num_split_steps == steps and runner.num_replays == steps
-    assert runner.num_captures == 1 and runner.num_eager_fallbacks == 0
+    assert runner.num_split_steps == steps and runner.graphs.num_replays == steps
+    assert runner.graphs.num_captures == 1 and runner.num_eager_fallbacks == 0

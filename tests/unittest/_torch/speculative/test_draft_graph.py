@@ -115,7 +115,7 @@ def test_draft_graph_matches_eager_and_is_lossless(llama64_dir, tmp_path_factory
         worker.graph_runner.shadow_worker = worker
         toks = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
         runner = worker.graph_runner
-        assert runner.num_captures >= 1 and runner.num_replays == seen["replays"] > 0
+        assert runner.graphs.num_captures >= 1 and runner.graphs.num_replays == seen["replays"] > 0
     assert toks == baseline
     assert seen["total"] > 100
     assert seen["same"] / seen["total"] >= 0.9, seen
@@ -145,6 +145,6 @@ def test_split_steps_with_staggered_arrivals_are_lossless(llama64_dir, tmp_path_
         stats = llm._executor.drafter.stats()["draft_cuda_graph"]
     assert [len(t) for t in toks] == max_tokens
     assert toks == baseline
-    assert target.num_split_steps > 0 and target.num_replays > target.num_eager_fallbacks
-    assert draft is not None and draft.num_split_steps > 0 and draft.num_replays > draft.num_eager_fallbacks
+    assert target.num_split_steps > 0 and target.graphs.num_replays > target.num_eager_fallbacks
+    assert draft is not None and draft.num_split_steps > 0 and draft.graphs.num_replays > draft.num_eager_fallbacks
     assert stats["split_steps"] == draft.num_split_steps > 0
