@@ -266,3 +266,20 @@ def bounded() -> Callable:
 @pytest.fixture(scope="session")
 def tiny_prompts() -> list[str]:
     return list(TINY_PROMPTS)
+
+
+@pytest.fixture(scope="session")
+def tiny_drafters(tmp_path_factory, tiny_llama_dir) -> dict[str, str]:
+    """Tiny random DSpark drafters {"gqa", "mla"} for the tiny Llama (checkpoint folders)."""
+    from tensorrt_llm._torch.models.checkpoint import read_config
+    from tensorrt_llm._torch.models.modeling_dspark import DSparkForCausalLMBase
+    from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
+
+    tc = LlamaConfig.from_dict(read_config(tiny_llama_dir), "target")
+    out = {}
+    for kind in ("gqa", "mla"):
+        folder = tmp_path_factory.mktemp(f"tiny_drafter_{kind}")
+        DSparkForCausalLMBase.random_init(kind, tc, seed=3, markov_rank=4).save_pretrained(folder)
+        out[kind] = str(folder)
+    return out
+

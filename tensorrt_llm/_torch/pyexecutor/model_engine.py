@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..attention_backend.interface import AttentionBackend, AttentionMetadata
+from ..attention_backend.interface import AttentionBackend
 from ..runtime.step import ForwardOutput, ForwardSegment
 from .cuda_graph_runner import CUDAGraphRunner
 from .kv_cache.resource_manager import KVCacheManager

@@ -33,7 +33,7 @@ overwrites in the same replay and which are never marked written (the rule above
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np

@@ -150,7 +150,7 @@ class RejectionSampler:
 
     def _random_rows(self, meta: SpecDecodeMetadata, rand: list[int], accepted: torch.Tensor,
                      token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits, (b, k1, v) = meta.target_logits, meta.target_logits.shape
+        logits, (_, k1, v) = meta.target_logits, meta.target_logits.shape
         k, dev = k1 - 1, logits.device
         params = [meta.params[i] for i in rand]
         rids = [meta.request_ids[i] for i in rand]

@@ -13,22 +13,12 @@ from typing import Optional
 import pytest
 
 from tensorrt_llm import LLM, SamplingParams
-from tensorrt_llm._torch.models.checkpoint import read_config
-from tensorrt_llm._torch.models.modeling_dspark import DSparkForCausalLMBase
-from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
 from tensorrt_llm._torch.speculative.dspark_worker import DSparkWorker
 
 
 @pytest.fixture(scope="module")
-def drafters(tmp_path_factory, tiny_llama_dir):
-    """Tiny random DSpark drafters (GQA and MLA) for the tiny Llama (as test_dspark_engine.py)."""
-    tc = LlamaConfig.from_dict(read_config(tiny_llama_dir), "target")
-    out = {}
-    for kind in ("gqa", "mla"):
-        folder = tmp_path_factory.mktemp(f"drafter_{kind}")
-        DSparkForCausalLMBase.random_init(kind, tc, seed=3, markov_rank=4).save_pretrained(folder)
-        out[kind] = folder
-    return out
+def drafters(tiny_drafters):
+    return tiny_drafters
 
 
 def _llm(target, drafter=None, *, max_seq_len: int, tokens_per_block: int = 16, pool_tokens: int = 4096,

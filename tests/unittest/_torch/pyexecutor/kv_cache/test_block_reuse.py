@@ -13,9 +13,6 @@ import pytest
 import torch
 
 from tensorrt_llm import SamplingParams
-from tensorrt_llm._torch.models.checkpoint import read_config
-from tensorrt_llm._torch.models.modeling_dspark import DSparkForCausalLMBase
-from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
 from tensorrt_llm._torch.pyexecutor.kv_cache.block_pool import BlockPool, chain_hash
 from tensorrt_llm._torch.pyexecutor.kv_cache.kv_cache_spec import KVCacheSpec
 from tensorrt_llm._torch.pyexecutor.kv_cache.resource_manager import KVCacheManager
@@ -157,14 +154,8 @@ def test_match_prefix_stops_at_missing_draft_context():
 
 # ---- the engine --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def drafters(tmp_path_factory, tiny_llama_dir):
-    tc = LlamaConfig.from_dict(read_config(tiny_llama_dir), "target")
-    out = {}
-    for kind in ("gqa", "mla"):
-        d = tmp_path_factory.mktemp(f"reuse_drafter_{kind}")
-        DSparkForCausalLMBase.random_init(kind, tc, seed=3, markov_rank=4).save_pretrained(d)
-        out[kind] = str(d)
-    return out
+def drafters(tiny_drafters):
+    return tiny_drafters
 
 
 def _engine(make_llm, target, drafter=None, reuse=True, **kw):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import tensorrt_llm._torch.pyexecutor.model_engine as model_engine
 from tensorrt_llm import SamplingParams
 from tensorrt_llm._torch.attention_backend.interface import BAD_PAGE_INDEX
 from tensorrt_llm._torch.pyexecutor.kv_cache.kv_cache_spec import KVCacheSpec, kv_dtype_from_name, split_budget
