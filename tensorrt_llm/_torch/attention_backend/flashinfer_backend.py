@@ -28,7 +28,7 @@ Plan lifecycle (nothing lives in module globals):
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
@@ -67,6 +67,9 @@ class StepPages:
     page_size: int
     graph_shape: Optional[tuple[int, int, int]] = None
     slots_valid: bool = True      # every slot_mapping entry >= 0 (new K/V scattered without syncs)
+    # rows of a cache viewed as [-1, D] that each new token's heads are written to, per (capturing,
+    # planes, heads, P, plane): computed by the step's first layer, reused by the others
+    write_rows: dict[tuple[bool, int, int, int, int], torch.Tensor] = field(default_factory=dict)
 
 
 def build_step_pages(md: AttentionMetadata) -> StepPages:
@@ -131,13 +134,20 @@ class _PlanSlot:
         self.uploaded: Optional[torch.cuda.Event] = None   # plan's async upload from pinned memory
 
 
-def scatter_slots(cache_plane: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Graph-safe `write_slots` for slots that are all valid (no -1, no host sync).
+def cache_write_rows(slot_mapping: torch.Tensor, planes: int, heads: int, page_size: int,
+                     plane: int) -> torch.Tensor:
+    """slot_mapping [T] int64, all >= 0 -> [T, heads] rows of `plane` in a contiguous cache
+    [num_pages, planes, heads, P, D] viewed as [-1, D]. Computed once per step, layout and plane,
+    so each layer's write is one indexed copy."""
+    page, off = slot_mapping // page_size, slot_mapping % page_size
+    base = page * (planes * heads * page_size) + plane * heads * page_size + off       # [T]
+    return base[:, None] + torch.arange(heads, device=slot_mapping.device) * page_size
 
-    cache_plane: [num_pages, H, P, D]; values: [T, H, D]; slot_mapping: [T] int64 >= 0.
-    """
-    p = cache_plane.shape[2]
-    cache_plane[slot_mapping // p, :, slot_mapping % p] = values.to(cache_plane.dtype)
+
+def scatter_rows(kv_cache: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """Graph-safe write of values [T, H, D] into a contiguous kv_cache [num_pages, planes, H, P, D]
+    at `cache_write_rows` rows [T, H] (all slots valid: no -1, no host sync)."""
+    kv_cache.view(-1, kv_cache.shape[-1]).index_put_((rows,), values.to(kv_cache.dtype))
 
 
 class FlashInferAttention(AttentionBackend):
@@ -257,19 +267,28 @@ class FlashInferAttention(AttentionBackend):
             raise ValueError(f"FLASHINFER needs the KV cache in the query dtype ({q.dtype}), got "
                              f"{kv_cache.dtype} (fp8 KV is not supported: capabilities.fp8_kv=False)")
 
-    def _write(self, cache_plane: torch.Tensor, values: torch.Tensor, md: AttentionMetadata,
+    def _write(self, kv_cache: torch.Tensor, plane: int, values: torch.Tensor, md: AttentionMetadata,
                pages: StepPages) -> None:
-        if pages.slots_valid:
-            scatter_slots(cache_plane, values, md.slot_mapping)
-        else:
-            write_slots(cache_plane, values, md.slot_mapping)
+        """New K (plane 0), V (plane 1) or latents (plane 0) into kv_cache [num_pages, planes, H, P, D]."""
+        if not pages.slots_valid:
+            write_slots(kv_cache[:, plane], values, md.slot_mapping)
+            return
+        _, planes, h, p, _ = kv_cache.shape
+        # a graph's capture computes its own rows (its replays recompute them from the persistent
+        # slot_mapping); rows computed by the warm-up forward before it must not be captured stale
+        capturing = kv_cache.is_cuda and torch.cuda.is_current_stream_capturing()
+        key = (capturing, planes, h, p, plane)
+        rows = pages.write_rows.get(key)
+        if rows is None:
+            rows = pages.write_rows[key] = cache_write_rows(md.slot_mapping, planes, h, p, plane)
+        scatter_rows(kv_cache, rows, values)
 
     def forward(self, q, k, v, kv_cache, metadata, scale):
         """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: [num_pages, 2, Hkv, P, D] -> [T, Hq, D]."""
         self._check_dtypes(q, kv_cache)
         pages = self._pages(metadata)
-        self._write(kv_cache[:, 0], k, metadata, pages)
-        self._write(kv_cache[:, 1], v, metadata, pages)
+        self._write(kv_cache, 0, k, metadata, pages)
+        self._write(kv_cache, 1, v, metadata, pages)
         key = PlanKey("gqa", pages.graph_shape, metadata.causal, q.shape[1], k.shape[1], q.shape[2], 0,
                       q.dtype, float(scale))
         slot = self._planned_slot(key, pages, q.device)
@@ -284,7 +303,7 @@ class FlashInferAttention(AttentionBackend):
             raise ValueError(f"MLA widths disagree: q {dl}, latent {latent.shape[-1]}, "
                              f"cache {kv_cache.shape[-1]}, v_dim {v_dim}")
         pages = self._pages(metadata)
-        self._write(kv_cache[:, 0], latent[:, None, :], metadata, pages)
+        self._write(kv_cache, 0, latent[:, None, :], metadata, pages)
         key = PlanKey("mla", pages.graph_shape, metadata.causal, q.shape[1], 1, v_dim, dl - v_dim,
                       q.dtype, float(scale))
         slot = self._planned_slot(key, pages, q.device)

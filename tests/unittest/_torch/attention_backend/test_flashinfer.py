@@ -364,3 +364,27 @@ def test_gqa_cuda_graph_replay_matches_vanilla(fi_backend):
         assert rel(out, ref) < TOL, f"graph replay vs vanilla rel err {rel(out, ref):.2e}"
         wrong, _ = run(VanillaAttention(), case, md=rolled(case.md), scale=0.125)
         assert rel(out, wrong) > NEG_MIN
+
+
+@pytest.mark.parametrize("planes,heads", [(2, 3), (2, 16), (1, 1)])
+def test_precomputed_write_rows_equal_slot_writes(planes, heads):
+    """The per-step rows (`cache_write_rows` + `scatter_rows`, one indexed copy per layer) write
+    exactly what the per-slot reference (`write_slots`) writes, on every plane; rows of the other
+    plane (the control) write elsewhere."""
+    from tensorrt_llm._torch.attention_backend.flashinfer_backend import cache_write_rows, scatter_rows
+    from tensorrt_llm._torch.attention_backend.interface import write_slots
+    g = torch.Generator().manual_seed(planes * 100 + heads)
+    pages, p, d, t = 7, 4, 8, 11
+    slots = torch.randperm(pages * p, generator=g)[:t]
+    for plane in range(planes):
+        values = torch.randn(t, heads, d, generator=g)
+        ref = torch.randn(pages, planes, heads, p, d, generator=g)
+        got = ref.clone()
+        write_slots(ref[:, plane], values, slots)
+        scatter_rows(got, cache_write_rows(slots, planes, heads, p, plane), values)
+        assert torch.equal(got, ref)
+        if planes > 1:
+            wrong = ref.clone()
+            scatter_rows(wrong, cache_write_rows(slots, planes, heads, p, 1 - plane), values + 1)
+            assert not torch.equal(wrong[:, 1 - plane], ref[:, 1 - plane])
+            assert torch.equal(wrong[:, plane], ref[:, plane])
