@@ -240,12 +240,14 @@ def test_disconnecting_clients_abort_their_requests_and_free_every_page(tiny_ser
     before = wait_idle(tiny_server)
 
     async def leave_early(i: int, stream: bool) -> None:
-        body = {"model": tiny_server.model, "prompt": PROMPTS[i % 4], "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True, "stream": stream}
+        # a non-streaming client hangs up after 0.1 s into a 250-token request (well over 0.1 s of decoding
+        # even on a fast CPU); a streaming one after three chunks
+        body = {"model": tiny_server.model, "prompt": PROMPTS[i % 4], "max_tokens": max_tokens if stream else 250,
+                "temperature": 0, "ignore_eos": True, "stream": stream}
         async with httpx.AsyncClient(base_url=tiny_server.base_url, timeout=60) as c:
             if not stream:              # hang up while the request is running
                 with pytest.raises(httpx.ReadTimeout):
-                    await c.post("/v1/completions", json=body, timeout=0.3)
+                    await c.post("/v1/completions", json=body, timeout=0.1)
                 return
             async with c.stream("POST", "/v1/completions", json=body) as r:
                 assert r.status_code == 200
