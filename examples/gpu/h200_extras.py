@@ -5,7 +5,7 @@
 2. KV capacity at free_gpu_memory_fraction=0.8 for the GQA vs MLA drafter, from the manager's
    own report, next to the formula.
 3. Draft step / verify step time of DSpark at batch 1, 16 and 64 (device-synchronized wall
-   time around `ModelEngine.forward` of verify steps and `DSparkWorker.draft_step`).
+   time around `ModelEngine.forward` of verify steps and `DSparkWorker.draft`).
 
     python examples/gpu/h200_extras.py --model DIR --gqa DIR --mla DIR --json out.json
 """

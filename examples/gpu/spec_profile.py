@@ -2,8 +2,9 @@
 
 Per arm (no-spec, then each `--drafter NAME=DIR`), FLASHINFER + CUDA graphs, B MT-Bench prompts
 (chat template, `--ignore-eos`-style fixed length), after a warm-up generate:
-1. host wall time per executor phase (`_build_segments`, `engine.forward`, `_update_requests`,
-   `spec.draft_step`, the rest of `step`), as they fall (no extra syncs: a phase that waits for
+1. host wall time per executor phase (`_build_segments`, `engine.forward`, the token choice and
+   update (`_choose_tokens` + `_update_requests`, or `_launch_overlapped` with the overlap scheduler),
+   `drafter.draft`, the rest of `step`), as they fall (no extra syncs: a phase that waits for
    the device is charged the wait);
 2. GPU kernel time per step from `torch.profiler` over a window of steps (sum of device time of
    all kernels and copies), so wall - GPU is the host-bound share;
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-PHASES = ("_build_segments", "_update_requests")
+PHASES = ("_build_segments", "_choose_tokens", "_update_requests", "_launch_overlapped")
 
 
 def _wrap_timers(ex, timers: dict) -> None:
@@ -46,7 +47,7 @@ def _wrap_timers(ex, timers: dict) -> None:
         timed(ex, name, name.strip("_"))
     timed(ex.engine, "forward", "forward")
     if ex.drafter is not None:
-        timed(ex.drafter, "draft_step", "draft_step")
+        timed(ex.drafter, "draft", "draft")
     timed(ex, "step", "step")
 
 
@@ -100,7 +101,7 @@ def profile_arm(model: str, drafter: str | None, batch: int, max_tokens: int, pr
     toks = sum(len(o.outputs[0].token_ids) for o in outs)
     step_ms = 1000 * timers["step"] / max(timers["n_step"], 1)
     phases = {k: 1000 * timers[k] / max(timers["n_step"], 1)
-              for k in ("build_segments", "forward", "update_requests", "draft_step")}
+              for k in ("build_segments", "forward", "choose_tokens", "update_requests", "launch_overlapped", "draft")}
     phases["step_other"] = step_ms - sum(phases.values())
     res = {"arm": name, "batch": batch, "max_tokens": max_tokens, "wall_s": wall, "steps": steps,
            "tok_per_s": toks / wall, "ms_per_step": 1000 * wall / max(steps, 1),

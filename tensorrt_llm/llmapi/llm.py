@@ -8,12 +8,15 @@ import numbers
 import threading
 import weakref
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 from ..sampling_params import SamplingParams
 from .llm_args import TorchLlmArgs
 from .outputs import GenerationResult, RequestOutput
 from .tokenizer import TokenizerWrapper
+
+if TYPE_CHECKING:
+    from .._torch.runtime.llm_request import PrefilledKV
 
 logger = logging.getLogger("tensorrt_llm")
 
@@ -138,7 +141,8 @@ class LLM:
             raise ValueError(f"request needs {need} tokens of KV but the pool holds "
                              f"{self._bundle.kv.max_tokens}")
 
-    def _make_request(self, prompt: PromptInput, params: Optional[SamplingParams], streaming: bool):
+    def _make_request(self, prompt: PromptInput, params: Optional[SamplingParams], streaming: bool,
+                      context_only: bool = False, prefilled: Optional["PrefilledKV"] = None):
         """Tokenize and validate one prompt -> (LlmRequest, its GenerationResult); enqueues nothing."""
         from .._torch.runtime.llm_request import LlmRequest
         params = params or SamplingParams()
@@ -147,7 +151,8 @@ class LLM:
         rid = next(self._ids)
         end_ids = set() if params.ignore_eos else (
             {params.end_id} if params.end_id is not None else set(self.tokenizer.eos_token_ids))
-        req = LlmRequest(rid, ids, params, end_ids=frozenset(end_ids))
+        req = LlmRequest(rid, ids, params, end_ids=frozenset(end_ids), context_only=context_only,
+                         prefilled=prefilled)
         handle = GenerationResult(rid, text, ids, self.tokenizer.decode, params.stop_strings,
                                   params.include_stop_str_in_output, streaming, abort=self.abort)
         return req, handle
@@ -160,8 +165,14 @@ class LLM:
             self._executor.enqueue_requests([(req, handle._update) for req, handle in made])
 
     def generate_async(self, prompt: PromptInput, sampling_params: Optional[SamplingParams] = None,
-                       streaming: bool = False) -> GenerationResult:
-        made = self._make_request(prompt, sampling_params, streaming)
+                       streaming: bool = False, *, context_only: bool = False,
+                       prefilled: Optional["PrefilledKV"] = None) -> GenerationResult:
+        """Submit one prompt. Disaggregated serving (`serve/disagg/`): `context_only` runs the prefill
+        step only (finish reason "context"; the pages stay until `release_kv`); `prefilled` continues
+        a request whose prefill ran on a context worker (its KV is pulled at admission)."""
+        if context_only and prefilled is not None:
+            raise ValueError("a request is either context_only or prefilled, not both")
+        made = self._make_request(prompt, sampling_params, streaming, context_only, prefilled)
         self._submit([made])
         return made[1]
 
@@ -189,6 +200,10 @@ class LLM:
         self._submit(made)
         outs = [handle.result() for _, handle in made]
         return outs[0] if single else outs
+
+    def release_kv(self, request_id: int) -> None:
+        """Free the pages a finished context-only request kept (at the engine's next step; idempotent)."""
+        self._executor.release_kv(request_id)
 
     def abort(self, request_id: int) -> None:
         """Cancel a request by id (`GenerationResult.abort()` calls this), honoured at the engine's

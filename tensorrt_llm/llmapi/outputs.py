@@ -29,6 +29,8 @@ class RequestOutput:
     # ttft_s, e2e_s, num_cached_prompt_tokens; with speculation also num_verify_steps,
     # num_accepted_drafts and acceptance_length (None when no verify step ran)
     metrics: dict = field(default_factory=dict)
+    # a finished context-only request (disaggregated CTX): {"first_token", "draft_tokens"}
+    disaggregated_params: Optional[dict] = None
 
 
 class GenerationResult:
@@ -83,6 +85,9 @@ class GenerationResult:
             m["num_verify_steps"] = req.num_verify_steps
             m["num_accepted_drafts"] = req.num_accepted_drafts
             m["acceptance_length"] = req.acceptance_length
+            if req.context_only and req.finish_reason == "context":
+                self._out.disaggregated_params = {"first_token": req.output_token_ids[0],
+                                                  "draft_tokens": [int(t) for t in req.draft_tokens]}
         snap = self._snapshot() if streaming else None
         with self._lock:
             if self._aqueue is not None:

@@ -93,12 +93,13 @@ class OpenAIServing:
         except ValidationError as e:
             raise from_validation_error(e) from e
 
-    def submit(self, req: AnyRequest) -> tuple[list[int], GenerationResult]:
+    def submit(self, req: AnyRequest, **engine_kw: Any) -> tuple[list[int], GenerationResult]:
+        """engine_kw: `LLM.generate_async`'s disaggregated-serving keywords (serve/disagg/worker.py)."""
         self.check_model(req.model)
         ids = self.prompt_ids(req)
         params = self.sampling_params(req, len(ids))
         try:
-            handle = self.llm.generate_async(ids, params, streaming=req.stream)
+            handle = self.llm.generate_async(ids, params, streaming=req.stream, **engine_kw)
         except ValueError as e:
             # the engine's own checks: prompt token ids out of the vocabulary, or a request that can
             # never fit the KV pool (fixed by a smaller max_tokens)
@@ -121,9 +122,9 @@ class OpenAIServing:
         n = len(out.outputs[0].token_ids)
         return {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
 
-    async def respond(self, req: AnyRequest, http: Request) -> dict[str, Any]:
+    async def respond(self, req: AnyRequest, http: Request, **engine_kw: Any) -> dict[str, Any]:
         """Non-streaming: wait for the result, or abort it when the client disconnects first."""
-        ids, handle = self.submit(req)
+        ids, handle = self.submit(req, **engine_kw)
         result = asyncio.ensure_future(handle.aresult())
         gone = asyncio.ensure_future(wait_for_disconnect(http))
         try:
@@ -165,9 +166,9 @@ class OpenAIServing:
             return "chat.completion.chunk" if chunk else "chat.completion"
         return "text_completion"
 
-    def stream(self, req: AnyRequest) -> AsyncIterator[str]:
+    def stream(self, req: AnyRequest, **engine_kw: Any) -> AsyncIterator[str]:
         """Submit now (so a bad request is a 400 before any byte is sent), then stream SSE chunks."""
-        ids, handle = self.submit(req)
+        ids, handle = self.submit(req, **engine_kw)
         return self._stream(req, ids, handle)
 
     async def _stream(self, req: AnyRequest, ids: list[int], handle: GenerationResult) -> AsyncIterator[str]:

@@ -45,6 +45,7 @@ class PyExecutor:
         self.overlap = overlap and drafter is None
         self._inflight: Optional[_OverlapStep] = None   # the launched step whose tokens are not read yet
         self._abort_ids: set[int] = set()
+        self._release_ids: set[int] = set()      # context-only requests whose held pages go back
         self._abort_lock = threading.Lock()
         self._submit_lock = threading.Lock()     # a submitted group is refused or reaches the loop
         # each item is one group of requests that reaches the scheduler in one drain
@@ -104,6 +105,8 @@ class PyExecutor:
         while not self._stop.is_set():
             self._drain_incoming()
             if not self.scheduler.has_work:
+                if self._release_ids:
+                    self._apply_aborts()
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
                 continue
@@ -151,6 +154,8 @@ class PyExecutor:
         batch = self.scheduler.schedule()
         for req in batch.failed:                 # refused at admission: that request alone
             self._deliver(req, [])
+        if batch.imported:
+            self._import_prefilled(batch.imported)
         if self.overlap:
             batch.generation_requests = [r for r in batch.generation_requests if not _last_token_pending(r)]
         if batch.empty:
@@ -190,6 +195,8 @@ class PyExecutor:
                 commits = self._update_requests(reqs, segments, num_ctx, out, chosen, verified)
                 if self.drafter is not None and out.captured is not None and commits:
                     self._isolated(lambda cs: self.drafter.draft(cs, out.captured), commits, lambda c: c.req)
+                for req in reqs:
+                    self._finish_context_only(req)
             self._retire_finished()
         finally:
             self._flush_notices()
@@ -235,6 +242,7 @@ class PyExecutor:
                 if req.next_input is not None and req.next_input.pending is step.tokens:
                     req.next_input = None            # its value is in the output from now on
                 self._append(req, row)
+                self._finish_context_only(req)
                 committed = min(req.num_computed, req.num_tokens - 1)   # the last token's KV: in flight
                 if self.kv.wants_commit(req.request_id, committed):
                     self.kv.commit(req.request_id, req.all_token_ids, committed)
@@ -242,6 +250,52 @@ class PyExecutor:
                 if _is_fatal(e):
                     raise
                 self._fail(req, e)
+
+    # ---- disaggregated serving -------------------------------------------------------------
+    def _finish_context_only(self, req: LlmRequest) -> None:
+        """A context-only request ends after its prefill step (first token and first drafts known);
+        its pages stay allocated until `release_kv` (finish reason "context")."""
+        if req.context_only and req.state is RequestState.GENERATION:
+            req.finish("context")
+            self._notify(req, [])
+
+    def _import_prefilled(self, reqs: list[LlmRequest]) -> None:
+        """Requests whose prefill ran on another worker: pull their prompt KV into the pages admission
+        reserved, then continue as after a local prefill step (first token appended, drafts set).
+        A failed pull fails that request alone."""
+        self._final_notices = []
+        room = self.drafter.lookahead_tokens if self.drafter is not None else 0
+        kv, p = self.kv, self.kv.tokens_per_block
+        try:
+            for req in reqs:
+                pre, rid = req.prefilled, req.request_id
+                try:
+                    kv.ensure_capacity(rid, req.prompt_len + room)
+                    first = req.num_computed // p        # blocks before it: prefix-cache hits here
+                    pre.pull(first, kv.request_pages(rid)[first:kv.pages_for(req.prompt_len)])
+                    req.num_computed = req.prompt_len
+                    req.state = RequestState.GENERATION
+                    req.first_token_time = time.perf_counter()
+                    req.draft_tokens = list(pre.draft_tokens) if self.drafter is not None else []
+                    self._append(req, [pre.first_token])
+                    if kv.wants_commit(rid, req.prompt_len):
+                        kv.commit(rid, req.all_token_ids, req.prompt_len)
+                    if kv.has_draft_pool:
+                        kv.mark_draft_written(rid, req.prompt_len)
+                except Exception as e:
+                    if _is_fatal(e):
+                        raise
+                    self._fail(req, e)
+            self._retire_finished()
+        finally:
+            self._flush_notices()
+
+    def release_kv(self, request_id: int) -> None:
+        """Free the pages a finished context-only request holds (thread-safe; at the next step).
+        An unknown id is ignored, so a second release is harmless."""
+        with self._abort_lock:
+            self._release_ids.add(request_id)
+        self._wake.set()
 
     def _build_segments(self, batch: ScheduledBatch) -> tuple[list[LlmRequest], list[ForwardSegment]]:
         """Requests of the step (prompt chunks first) and their forward segments; owns their pages."""
@@ -391,6 +445,13 @@ class PyExecutor:
         self._wake.set()
 
     def _apply_aborts(self) -> None:
+        if self._release_ids:
+            with self._abort_lock:
+                released, self._release_ids = self._release_ids, set()
+            for rid in released:
+                if rid in self.scheduler.held:
+                    self.scheduler.held.discard(rid)
+                    self.kv.free(rid)
         if not self._abort_ids:
             return
         self._drain_incoming()

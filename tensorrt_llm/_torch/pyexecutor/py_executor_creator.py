@@ -58,26 +58,26 @@ def create_py_executor(args: TorchLlmArgs, tokenizer: TokenizerWrapper) -> Execu
                                   fp8_kv=kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2))
     n_layers, n_kv, head_dim = model.kv_cache_layout()
     specs = [KVCacheSpec("target", "gqa", n_layers, 2, n_kv, head_dim, kv_dtype)]
-    spec_worker, drafter_report = None, None
+    drafter, drafter_report = None, None
     salt = f"target:{Path(args.model).resolve()}"
     if args.speculative_config is not None:
         from ..speculative.dspark_worker import create_dspark_worker
-        spec_worker = create_dspark_worker(args.speculative_config, model, dtype, device)
-        specs.append(spec_worker.kv_cache_spec)
-        salt += f"|draft:{spec_worker.identity}"
-        drafter_report = spec_worker.describe()
+        drafter = create_dspark_worker(args.speculative_config, model, dtype, device)
+        specs.append(drafter.kv_cache_spec)
+        salt += f"|draft:{drafter.identity}"
+        drafter_report = drafter.describe()
     p = kvc.tokens_per_block
     if kvc.max_tokens is not None:
         num_pages = -(-kvc.max_tokens // p)
     else:
         num_pages = split_budget(_budget_bytes(args, device), specs, p)
-    lookahead = spec_worker.lookahead_tokens if spec_worker else 0
-    tokens_per_gen = 1 + (spec_worker.max_draft_len if spec_worker else 0)
-    spec_slack = lookahead + tokens_per_gen if spec_worker else 0
+    lookahead = drafter.lookahead_tokens if drafter else 0
+    tokens_per_gen = 1 + (drafter.max_draft_len if drafter else 0)
+    spec_slack = lookahead + tokens_per_gen if drafter else 0
     kv = KVCacheManager(specs, num_pages, p, max_seq_len, device,
                         enable_block_reuse=kvc.enable_block_reuse,
                         cache_salt=hashlib.sha256(salt.encode()).hexdigest()[:16], seq_slack_tokens=spec_slack)
-    capture = spec_worker.capture_layer_ids if spec_worker else ()
+    capture = drafter.capture_layer_ids if drafter else ()
     engine = ModelEngine(model, kv, backend, device, capture, use_cuda_graph=args.use_cuda_graph,
                          max_batch_size=args.max_batch_size, tokens_per_gen=tokens_per_gen)
     sched = Scheduler(kv, args.max_batch_size, max(args.max_num_tokens, tokens_per_gen),
@@ -86,11 +86,11 @@ def create_py_executor(args: TorchLlmArgs, tokenizer: TokenizerWrapper) -> Execu
                       batch_wait_max_tokens_ratio=args.batch_wait_max_tokens_ratio,
                       batch_admit_min_slots=args.batch_admit_min_slots)
     sampler = Sampler(args.seed, device)
-    if spec_worker is not None:
-        spec_worker.bind(kv, sampler)
+    if drafter is not None:
+        drafter.bind(kv, sampler)
         if args.use_cuda_graph:
-            spec_worker.enable_cuda_graphs(args.max_batch_size)
-    executor = PyExecutor(engine, sched, sampler, kv, tokenizer.decode, spec_worker,
+            drafter.enable_cuda_graphs(args.max_batch_size)
+    executor = PyExecutor(engine, sched, sampler, kv, tokenizer.decode, drafter,
                           overlap=not args.disable_overlap_scheduler)
     report = kv.report()
     report.update({

@@ -42,6 +42,7 @@ class ScheduledBatch:
     context_chunks: list[int] = field(default_factory=list)     # tokens of each prompt this step
     generation_requests: list[LlmRequest] = field(default_factory=list)
     failed: list[LlmRequest] = field(default_factory=list)       # refused at admission (finished, error set)
+    imported: list[LlmRequest] = field(default_factory=list)     # admitted with `prefilled` KV to pull
 
     @property
     def empty(self) -> bool:
@@ -76,6 +77,7 @@ class Scheduler:
         # `waiting`: a release covers the whole queue, arrivals join at the tail), and the number
         # of consecutive schedule() calls that held an arrival
         self._released: set[int] = set()
+        self.held: set[int] = set()        # finished context-only requests whose pages are kept
         self._held_iters = 0
 
     def add(self, req: LlmRequest) -> None:
@@ -123,7 +125,7 @@ class Scheduler:
         self._held_iters = 0
         return False
 
-    def _admit(self, hold: bool, generating: bool, failed: list[LlmRequest]) -> None:
+    def _admit(self, hold: bool, generating: bool, failed: list[LlmRequest], imported: list[LlmRequest]) -> None:
         released = self._released
         if generating and self.batch_admit_min_slots > 1 and self.waiting:
             need = min(self.batch_admit_min_slots, len(self.waiting), self.max_batch_size)
@@ -146,8 +148,11 @@ class Scheduler:
                 failed.append(req)
                 continue
             req.num_computed = req.num_cached_prompt = cached
-            req.state = RequestState.CONTEXT
             self.running.append(req)
+            if req.prefilled is not None:   # stays WAITING until the executor has pulled its KV
+                imported.append(req)
+            else:
+                req.state = RequestState.CONTEXT
 
     def schedule(self) -> ScheduledBatch:
         gen = RequestState.GENERATION
@@ -156,7 +161,7 @@ class Scheduler:
         if self.batch_wait_timeout_iters:
             hold = self._update_batch_wait(bool(gens), len(gens) < len(self.running))
         batch = ScheduledBatch()
-        self._admit(hold, bool(gens), batch.failed)
+        self._admit(hold, bool(gens), batch.failed, batch.imported)
         budget = self.max_num_tokens
         # each generation request costs tokens_per_gen_step; the first that fit, in order
         take = min(len(gens), budget // self.tokens_per_gen_step)
@@ -183,7 +188,10 @@ class Scheduler:
         if done:
             self.running = [r for r in self.running if r.state is not fin]
             for r in done:
-                self.kv.free(r.request_id)
+                if r.finish_reason == "context":    # kept for the GEN worker: PyExecutor.release_kv
+                    self.held.add(r.request_id)
+                else:
+                    self.kv.free(r.request_id)
         return done
 
     def abort_waiting(self, req: LlmRequest) -> None:

@@ -5,12 +5,23 @@ import enum
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from ...sampling_params import SamplingParams
 from .token_rows import DraftRow
+
+
+@dataclass(frozen=True)
+class PrefilledKV:
+    """A request whose prefill ran on another worker (disaggregated GEN): its first token, the
+    drafts of its first block (empty without a drafter), and `pull(first_block, pages)`, which fills
+    this worker's `pages` (ids of both pools) with the prompt's blocks first_block.. from that worker."""
+
+    first_token: int
+    draft_tokens: tuple[int, ...]
+    pull: Callable[[int, list[int]], None]
 
 
 class RequestState(enum.Enum):
@@ -49,6 +60,10 @@ class LlmRequest:
     next_input: Optional[DraftRow] = None
     num_verify_steps: int = 0       # speculative verify steps of this request
     num_accepted_drafts: int = 0    # drafts accepted over those steps
+    # disaggregated serving: a CTX request stops after its prefill step (first token + first drafts)
+    # and keeps its pages until `PyExecutor.release_kv`; a GEN request arrives with `prefilled`
+    context_only: bool = False
+    prefilled: Optional[PrefilledKV] = None
 
     @property
     def acceptance_length(self) -> Optional[float]:
@@ -90,7 +105,7 @@ class LlmRequest:
 
     def reserve_tokens(self, spec_slack: int) -> int:
         """Tokens of KV this request may ever need (prompt + outputs + draft slack)."""
-        return self.prompt_len + self.sampling_params.max_tokens + spec_slack
+        return self.prompt_len + (1 if self.context_only else self.sampling_params.max_tokens) + spec_slack
 
     def finish(self, reason: str) -> None:
         self.state = RequestState.FINISHED

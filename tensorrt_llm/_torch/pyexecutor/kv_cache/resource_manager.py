@@ -186,6 +186,10 @@ class KVCacheManager:
     def owned_tokens(self, req_id: int) -> int:
         return len(self.seqs[req_id].pages) * self.tokens_per_block
 
+    def request_pages(self, req_id: int) -> list[int]:
+        """The page ids a request owns, in token order (a copy; the same ids index every pool)."""
+        return list(self.seqs[req_id].pages)
+
     def export_pages(self, req_id: int, num_tokens: int) -> dict[str, torch.Tensor]:
         """Copy the pages holding a request's first `num_tokens` tokens out of every pool.
 

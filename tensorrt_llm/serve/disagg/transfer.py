@@ -1,0 +1,152 @@
+"""KV page transfer between disaggregated workers over NIXL (UCX backend).
+
+Each worker registers its KV pools (`KVCacheManager.pools`: {"target", "draft"} tensors
+[L, num_pages, planes, heads, P, D]) with one NIXL agent. Page `p` of layer `l` is one contiguous
+run of `page_bytes` at `base + (l * num_pages + p) * page_bytes`, so a request's blocks are
+L x n descriptors per pool. The GEN worker READs the CTX worker's pages into its own pages (both
+pools, each at its own dtype); CTX only has to keep them until GEN says it has them.
+
+On a CPU host NIXL moves DRAM to DRAM through UCX, which needs the TCP transport: the agent sets
+`UCX_TLS=tcp,self,sm` in the process environment (unless the operator set UCX_TLS) before UCX
+starts. This is transport setup of the worker process, not a behaviour switch.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+logger = logging.getLogger("tensorrt_llm")
+
+CPU_UCX_TLS = "tcp,self,sm"
+
+
+@dataclass(frozen=True)
+class PoolInfo:
+    """One registered pool as a peer sees it."""
+
+    addr: int               # base address of the [L, num_pages, ...] tensor
+    num_layers: int
+    num_pages: int
+    page_bytes: int         # one layer's page
+    page_shape: tuple[int, ...]   # [planes, heads, P, D]
+    dtype: str
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "PoolInfo":
+        page = t[0, 0]
+        return cls(t.data_ptr(), t.shape[0], t.shape[1], page.numel() * page.element_size(),
+                   tuple(page.shape), str(t.dtype).replace("torch.", ""))
+
+    def descs(self, pages: Sequence[int], dev_id: int) -> np.ndarray:
+        """[L * n, 3] (addr, len, devId) of `pages` in every layer, layer-major."""
+        p = np.asarray(pages, dtype=np.int64)
+        layers = np.arange(self.num_layers, dtype=np.int64)[:, None]
+        addr = self.addr + (layers * self.num_pages + p[None, :]) * self.page_bytes
+        out = np.empty((addr.size, 3), dtype=np.int64)
+        out[:, 0], out[:, 1], out[:, 2] = addr.reshape(-1), self.page_bytes, dev_id
+        return out
+
+
+def layout_of(pools: dict[str, torch.Tensor], tokens_per_block: int) -> dict[str, Any]:
+    """What two workers must agree on (pool names, per-page shapes, dtypes, layers, tokens_per_block)."""
+    return {"tokens_per_block": tokens_per_block,
+            "pools": {n: {"num_layers": t.shape[0], "page_shape": list(t.shape[2:]),
+                          "dtype": str(t.dtype).replace("torch.", "")} for n, t in sorted(pools.items())}}
+
+
+def pages_digest(pools: dict[str, torch.Tensor], pages: Sequence[int]) -> dict[str, str]:
+    """sha256 of the bytes of `pages` (every layer) per pool: the transfer check of the tests."""
+    idx = torch.tensor(list(pages), dtype=torch.long, device=next(iter(pools.values())).device)
+    out = {}
+    for name, t in sorted(pools.items()):
+        raw = t[:, idx].contiguous().cpu().view(torch.uint8).numpy().tobytes()
+        out[name] = hashlib.sha256(raw).hexdigest()
+    return out
+
+
+class KVTransferAgent:
+    """One NIXL agent over a worker's KV pools; `pull` reads a peer's pages into local pages."""
+
+    def __init__(self, pools: dict[str, torch.Tensor], tokens_per_block: int, role: str,
+                 timeout_s: float = 30.0):
+        if any(t.device.type == "cpu" for t in pools.values()):
+            os.environ.setdefault("UCX_TLS", CPU_UCX_TLS)     # must precede the agent's UCX init
+        from nixl._api import nixl_agent, nixl_agent_config
+        self.name = f"{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
+        self.pools = pools
+        self.tokens_per_block = tokens_per_block
+        self.timeout_s = timeout_s
+        self._regs = [self.agent.register_memory(t) for t in pools.values()]
+        self.info = {n: PoolInfo.of(t) for n, t in pools.items()}
+        self._peers: dict[str, dict[str, PoolInfo]] = {}     # agent name -> its pools
+
+    def _mem(self, t: torch.Tensor) -> tuple[str, int]:
+        return ("DRAM", 0) if t.device.type == "cpu" else ("VRAM", t.device.index or 0)
+
+    def metadata(self) -> dict[str, Any]:
+        """What a peer needs to read from this agent (JSON-able)."""
+        return {"agent_name": self.name,
+                "agent_metadata": base64.b64encode(self.agent.get_agent_metadata()).decode(),
+                "pools": {n: {"addr": i.addr, "num_pages": i.num_pages} for n, i in self.info.items()},
+                "layout": layout_of(self.pools, self.tokens_per_block)}
+
+    def add_peer(self, meta: dict[str, Any]) -> None:
+        """Register a peer agent (after the caller checked its layout against ours)."""
+        name = meta["agent_name"]
+        if name in self._peers:
+            return
+        self.agent.add_remote_agent(base64.b64decode(meta["agent_metadata"]))
+        mine = self.info
+        self._peers[name] = {n: PoolInfo(p["addr"], mine[n].num_layers, p["num_pages"], mine[n].page_bytes,
+                                         mine[n].page_shape, mine[n].dtype) for n, p in meta["pools"].items()}
+
+    def forget_peer(self, name: str) -> None:
+        if self._peers.pop(name, None) is not None:
+            try:
+                self.agent.remove_remote_agent(name)
+            except Exception as e:     # the peer is gone anyway
+                logger.warning("removing NIXL peer %s: %s", name, e)
+
+    def pull(self, peer: str, remote_pages: Sequence[int], local_pages: Sequence[int],
+             pools: Optional[Sequence[str]] = None) -> dict[str, Any]:
+        """READ the peer's `remote_pages` of `pools` (default: all) into `local_pages`; blocks until
+        done. Raises RuntimeError on a failed or timed-out transfer. Returns {bytes, seconds}."""
+        if len(remote_pages) != len(local_pages):
+            raise ValueError(f"{len(remote_pages)} remote pages for {len(local_pages)} local pages")
+        if peer not in self._peers:
+            raise RuntimeError(f"NIXL peer {peer!r} is not registered (no handshake)")
+        names = list(self.pools) if pools is None else list(pools)
+        if not local_pages or not names:
+            return {"bytes": 0, "seconds": 0.0}
+        remote = self._peers[peer]
+        mem, dev = self._mem(next(iter(self.pools.values())))
+        local_d = np.concatenate([self.info[n].descs(local_pages, dev) for n in names])
+        remote_d = np.concatenate([remote[n].descs(remote_pages, 0) for n in names])
+        t0 = time.perf_counter()
+        handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local_d, mem),
+                                            self.agent.get_xfer_descs(remote_d, mem), peer)
+        if not handle:
+            raise RuntimeError(f"NIXL could not create a transfer from {peer}")
+        try:
+            state = self.agent.transfer(handle)
+            deadline = time.monotonic() + self.timeout_s
+            while state != "DONE":
+                if state == "ERR":
+                    raise RuntimeError(f"NIXL transfer from {peer} failed")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"NIXL transfer from {peer} timed out after {self.timeout_s} s")
+                time.sleep(0.0005)
+                state = self.agent.check_xfer_state(handle)
+        finally:
+            self.agent.release_xfer_handle(handle)
+        return {"bytes": int(local_d[:, 1].sum()), "seconds": time.perf_counter() - t0}
