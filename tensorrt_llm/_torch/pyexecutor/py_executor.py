@@ -326,8 +326,10 @@ class PyExecutor:
         drafter = self.drafter
         rows = [(out.logits_offsets[i], req) for i, (req, seg) in enumerate(zip(reqs, segments))
                 if not req.sampling_params.greedy and seg.num_logits and (i < num_ctx or drafter is None)]
+        # with a drafter only prompt ends choose here (the verify rows go through the drafter)
+        needed = drafter is None or any(seg.num_logits for seg in segments[:num_ctx])
         ids = self.sampler.choose(out.logits, [r for r, _ in rows], [q.request_id for _, q in rows],
-                                  [q.sampling_params for _, q in rows]) if out.logits.shape[0] else None
+                                  [q.sampling_params for _, q in rows]) if needed and out.logits.shape[0] else None
         gen = list(range(num_ctx, len(reqs))) if drafter is not None else []
         ver, k1 = None, 0
         if gen:
