@@ -10,6 +10,9 @@ the drafter is one line of it:
 
 The engine is built before the port is opened: a bad YAML or checkpoint exits with the error, and
 once /health answers the server is ready.
+
+Disaggregated serving (docs/serving.md): `--server_role context|generation` adds the worker routes
+(`serve/disagg/worker.py`); `trtllm-serve disaggregated -c disagg.yaml` runs the router.
 """
 from __future__ import annotations
 
@@ -33,6 +36,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="port to bind")
     p.add_argument("--served_model_name", "--served-model-name", default=None,
                    help="model id in /v1/models and requests (default: MODEL as given)")
+    p.add_argument("--server_role", "--server-role", default=None, choices=["context", "generation"],
+                   help="disaggregated worker role (KV moves CTX -> GEN over NIXL); default: aggregated")
+    p.add_argument("--kv_hold_timeout", "--kv-hold-timeout", type=float, default=60.0,
+                   help="context role: seconds a prefilled request's pages wait for a GEN pull")
     p.add_argument("--log_level", "--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -45,6 +52,10 @@ def build_args(model: str, config: Optional[str]) -> TorchLlmArgs:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Console entry point; serves until interrupted."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["disaggregated"]:
+        from .disagg.router import main as router_main
+        return router_main(argv[1:])
     parser = make_parser()
     a = parser.parse_args(argv)
     if not 0 <= a.port < 65536:
@@ -59,6 +70,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(str(e))
     try:
         app = create_app(llm, a.served_model_name or a.model)
+        if a.server_role is not None:
+            from .disagg.worker import add_disagg_routes
+            add_disagg_routes(app, llm, a.server_role, a.kv_hold_timeout)
         uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=5)
     finally:
         llm.shutdown()

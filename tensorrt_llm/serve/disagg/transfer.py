@@ -120,12 +120,17 @@ class KVTransferAgent:
     def pull(self, peer: str, remote_pages: Sequence[int], local_pages: Sequence[int],
              pools: Optional[Sequence[str]] = None) -> dict[str, Any]:
         """READ the peer's `remote_pages` of `pools` (default: all) into `local_pages`; blocks until
-        done. Raises RuntimeError on a failed or timed-out transfer. Returns {bytes, seconds}."""
+        done (the other pools' local pages are zeroed: the diagnostic negative control). Raises RuntimeError on a failed or timed-out transfer. Returns {bytes, seconds}."""
         if len(remote_pages) != len(local_pages):
             raise ValueError(f"{len(remote_pages)} remote pages for {len(local_pages)} local pages")
         if peer not in self._peers:
             raise RuntimeError(f"NIXL peer {peer!r} is not registered (no handshake)")
         names = list(self.pools) if pools is None else list(pools)
+        left = [n for n in self.pools if n not in names]
+        if left and local_pages:     # a pool left behind reads as zeros, never as an earlier request's KV
+            idx = torch.tensor(list(local_pages), dtype=torch.long, device=self.pools[left[0]].device)
+            for n in left:
+                self.pools[n][:, idx] = 0
         if not local_pages or not names:
             return {"bytes": 0, "seconds": 0.0}
         remote = self._peers[peer]
