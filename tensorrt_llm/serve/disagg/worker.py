@@ -50,7 +50,8 @@ def identity_of(llm: LLM) -> dict[str, Any]:
 
 def mismatch(mine: dict[str, Any], theirs: dict[str, Any], path: str = "") -> Optional[str]:
     """The first key whose values differ, as `key: here X, peer Y` (None when they agree)."""
-    for k in sorted(set(mine) | set(theirs)):
+    keys = set(mine) | set(theirs)     # plain values first: `tokens_per_block` before the shapes it implies
+    for k in sorted(keys, key=lambda k: (isinstance(mine.get(k), dict), k)):
         a, b = mine.get(k), theirs.get(k)
         if isinstance(a, dict) and isinstance(b, dict):
             d = mismatch(a, b, f"{path}{k}.")

@@ -239,6 +239,26 @@ def test_acceptance_on_gen_equals_aggregated(cluster, aggregated, batch):
     _wait_idle(cluster.ctx)
 
 
+def test_layout_mismatch_refused_at_first_contact(cluster, target, tmp_path):
+    """A CTX worker with another tokens_per_block: GEN refuses it with a 400 naming the key."""
+    other = Cluster(tmp_path, target, str(DATA))
+    args = _args(target, str(DATA))
+    args["kv_cache_config"] = {**KV, "tokens_per_block": 32}
+    other.cfg.write_text(yaml.safe_dump(args))
+    try:
+        proc, url, log = other.worker("context", "ctx_tpb32")
+        _wait_healthy(proc, url, log)
+        fake = {"url": url, "agent_name": "?", "ctx_request_id": 0, "pages": [0], "first_token": 5}
+        r = httpx.post(f"{cluster.gen}/disagg/generation", timeout=30, json={
+            "request": {"model": MODEL[0], "prompt": PROMPTS[0], "max_tokens": 4}, "ctx": fake})
+        assert r.status_code == 400
+        msg = r.json()["error"]["message"]
+        assert "does not match" in msg and "tokens_per_block: here 16, peer 32" in msg, msg
+    finally:
+        for p in other.procs:
+            _kill(p)
+
+
 def test_gen_dies_mid_request(cluster):
     proc, gen_url, log = cluster.worker("generation", "gen_fault")
     _wait_healthy(proc, gen_url, log)
@@ -261,3 +281,22 @@ def test_gen_dies_mid_request(cluster):
     r = httpx.post(f"{router}/v1/completions", json={**body, "stream": False, "max_tokens": 8}, timeout=30)
     assert r.status_code == 502 and "generation worker" in r.json()["error"]["message"]
     _wait_idle(cluster.ctx)
+
+
+def test_ctx_unreachable_fails_fast(cluster):
+    dead = f"http://127.0.0.1:{free_port()}"
+    proc, router, log = cluster.router("router_dead_ctx", [dead], [cluster.gen], request_timeout_s=10)
+    end = time.monotonic() + 60
+    while True:                     # the router is up once it answers (its /health is 503: no CTX)
+        try:
+            if httpx.get(f"{router}/health", timeout=2).status_code == 503:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < end and proc.poll() is None, log.read_text()[-2000:]
+        time.sleep(0.2)
+    t0 = time.monotonic()
+    r = httpx.post(f"{router}/v1/completions", timeout=30,
+                   json={"model": MODEL[0], "prompt": PROMPTS[0], "max_tokens": 4})
+    assert r.status_code == 502 and "context worker" in r.json()["error"]["message"]
+    assert time.monotonic() - t0 < 10
