@@ -27,7 +27,7 @@ setup(
         "gpu": ["flashinfer-python==0.7.2.post1"],
         "test": ["pytest>=8", "transformers>=4.45", "openai>=1.40"],
         # GSM8K through the server (tensorrt_llm/bench/lm_eval_gsm8k.py); heavy, not installed by CI
-        "eval": ["lm-eval[api]==0.4.13", "transformers>=4.45"],
+        "eval": ["lm-eval[api]==0.4.13", "transformers>=4.45", "accelerate"],
     },
     entry_points={
         "console_scripts": [

@@ -327,6 +327,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv_tokens", "--kv-tokens", type=int, default=49152, help="KV pool tokens per pool")
     p.add_argument("--work_dir", "--work-dir", default=None,
                    help="lm-eval outputs, server logs, task copy (default: a new temporary folder)")
+    p.add_argument("--reuse", action="store_true",
+                   help="take arms already finished in --work_dir (their arm.json) instead of running them again")
     p.add_argument("--json", default=None, help="write the report here")
     return p
 
@@ -352,7 +354,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     rows, gens = [], {}
     for arm in arms:
-        row, g = run_hf_arm(a, task_dir, work) if arm == "hf" else run_engine_arm(arm, a, task_dir, work)
+        saved = work / arm / "arm.json"
+        if a.reuse and saved.exists():   # an arm finished by an earlier call with this --work_dir
+            row = json.loads(saved.read_text())
+            g = read_outputs(work / arm / "lm_eval")[1]
+        else:
+            row, g = run_hf_arm(a, task_dir, work) if arm == "hf" else run_engine_arm(arm, a, task_dir, work)
+            saved.write_text(json.dumps(row, indent=1) + "\n")
         rows.append(row)
         gens[arm] = g
         print(f"[{arm}] strict {row['strict-match']:.4f} flexible {row['flexible-extract']:.4f} "
