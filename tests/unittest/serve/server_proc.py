@@ -46,29 +46,47 @@ class Server:
         return out
 
 
+def cli_env() -> dict:
+    """The environment of a `tensorrt_llm.serve.cli` subprocess (this checkout first on the path)."""
+    return {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def spawn_cli(argv: list[str], log: Path) -> subprocess.Popen:
+    """`python -m tensorrt_llm.serve.cli ARGV` with its output in `log`."""
+    with open(log, "w") as f:
+        return subprocess.Popen([sys.executable, "-m", "tensorrt_llm.serve.cli", *argv],
+                                stdout=f, stderr=subprocess.STDOUT, env=cli_env(), cwd=REPO_ROOT)
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 180.0) -> None:
+    """Until `url`/health answers 200; RuntimeError with the log's tail if the process exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} not healthy after {timeout} s:\n{log.read_text()[-3000:]}")
+
+
 def start_server(model: Path, args: dict, tmp: Path, timeout: float = 180.0) -> Server:
     cfg = tmp / "serve.yaml"
     cfg.write_text(yaml.safe_dump(args))
     port = free_port()
     log = tmp / "server.log"
-    env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "tensorrt_llm.serve.cli", str(model), "--config", str(cfg),
-                                 "--host", "127.0.0.1", "--port", str(port), "--log_level", "warning"],
-                                stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+    proc = spawn_cli([str(model), "--config", str(cfg), "--host", "127.0.0.1", "--port", str(port),
+                      "--log_level", "warning"], log)
     server = Server(f"http://127.0.0.1:{port}", str(model), proc, log)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"trtllm-serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    stop_server(server)
-    raise RuntimeError(f"trtllm-serve not healthy after {timeout} s:\n{log.read_text()[-3000:]}")
+    try:
+        wait_healthy(proc, server.base_url, log, timeout)
+    except RuntimeError:
+        stop_server(server)
+        raise
+    return server
 
 
 def stop_server(server: Server) -> Optional[int]:

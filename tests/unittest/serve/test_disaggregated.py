@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -27,7 +26,7 @@ import yaml
 
 from tensorrt_llm import LLM, SamplingParams
 
-from server_proc import REPO_ROOT, free_port
+from server_proc import free_port, spawn_cli, wait_healthy
 
 pytest.importorskip("nixl")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
@@ -46,30 +45,9 @@ def _args(target: Path, drafter: str) -> dict:
             "speculative_config": {"decoding_type": "DSpark", "speculative_model": drafter}}
 
 
-def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-
-
 def _spawn(argv: list[str], log: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "tensorrt_llm.serve.cli", *argv, "--port", str(port)],
-                                stdout=f, stderr=subprocess.STDOUT, env=_env(), cwd=REPO_ROOT)
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def _wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 180.0) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} not healthy after {timeout} s:\n{log.read_text()[-3000:]}")
+    return spawn_cli([*argv, "--port", str(port)], log), f"http://127.0.0.1:{port}"
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -98,10 +76,7 @@ class Cluster:
         cfg.write_text(yaml.safe_dump({"hostname": "127.0.0.1", "port": port, "context_servers": {"urls": ctx},
                                        "generation_servers": {"urls": gen}, **extra}))
         log = self.tmp / f"{name}.log"
-        with open(log, "w") as f:
-            proc = subprocess.Popen([sys.executable, "-m", "tensorrt_llm.serve.cli", "disaggregated", "-c", str(cfg),
-                                     "--log_level", "warning"], stdout=f, stderr=subprocess.STDOUT, env=_env(),
-                                    cwd=REPO_ROOT)
+        proc = spawn_cli(["disaggregated", "-c", str(cfg), "--log_level", "warning"], log)
         self.procs.append(proc)
         return proc, f"http://127.0.0.1:{port}", log
 
@@ -119,11 +94,11 @@ def cluster(tmp_path_factory, target):
         ctx = c.worker("context", "ctx")
         gen = c.worker("generation", "gen")
         for proc, url, log in (ctx, gen):
-            _wait_healthy(proc, url, log)
+            wait_healthy(proc, url, log)
         routers = {"full": c.router("router", [ctx[1]], [gen[1]], request_timeout_s=20),
                    "target_only": c.router("router_t", [ctx[1]], [gen[1]], transfer_pools=["target"])}
         for proc, url, log in routers.values():
-            _wait_healthy(proc, url, log)
+            wait_healthy(proc, url, log)
         c.ctx, c.gen = ctx[1], gen[1]
         c.routers = {k: v[1] for k, v in routers.items()}
         yield c
@@ -247,7 +222,7 @@ def test_layout_mismatch_refused_at_first_contact(cluster, target, tmp_path):
     other.cfg.write_text(yaml.safe_dump(args))
     try:
         proc, url, log = other.worker("context", "ctx_tpb32")
-        _wait_healthy(proc, url, log)
+        wait_healthy(proc, url, log)
         fake = {"url": url, "agent_name": "?", "ctx_request_id": 0, "pages": [0], "first_token": 5}
         r = httpx.post(f"{cluster.gen}/disagg/generation", timeout=30, json={
             "request": {"model": MODEL[0], "prompt": PROMPTS[0], "max_tokens": 4}, "ctx": fake})
@@ -261,9 +236,9 @@ def test_layout_mismatch_refused_at_first_contact(cluster, target, tmp_path):
 
 def test_gen_dies_mid_request(cluster):
     proc, gen_url, log = cluster.worker("generation", "gen_fault")
-    _wait_healthy(proc, gen_url, log)
+    wait_healthy(proc, gen_url, log)
     rproc, router, rlog = cluster.router("router_fault", [cluster.ctx], [gen_url], request_timeout_s=10)
-    _wait_healthy(rproc, router, rlog)
+    wait_healthy(rproc, router, rlog)
     body = {"model": MODEL[0], "prompt": _prompts(1)[0], "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
     t0 = None
     with httpx.stream("POST", f"{router}/v1/completions", json=body, timeout=30) as r:
