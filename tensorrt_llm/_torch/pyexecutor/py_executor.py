@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 import traceback
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, TypeVar
 
 import torch
 
@@ -30,6 +30,7 @@ from .model_engine import ModelEngine
 from .scheduler import ScheduledBatch, Scheduler
 
 logger = logging.getLogger("tensorrt_llm")
+T = TypeVar("T")
 
 UpdateCallback = Callable[[LlmRequest, list[int]], None]
 
@@ -211,10 +212,7 @@ class PyExecutor:
                            out: ForwardOutput) -> None:
         """Queue this step's token choice on the device and its host copy; advance every request as
         if its token were known (its next input is the device row); then read the previous step."""
-        rows = [(out.logits_offsets[i], req) for i, (req, seg) in enumerate(zip(reqs, segments))
-                if not req.sampling_params.greedy and seg.num_logits]
-        ids = self.sampler.choose(out.logits, [r for r, _ in rows], [q.request_id for _, q in rows],
-                                  [q.sampling_params for _, q in rows]) if out.logits.shape[0] else None
+        ids = self._choose_on_device(reqs, segments, out)
         tokens = PendingDrafts(ids.view(-1, 1)) if ids is not None else None
         launched, index = [], []
         for i, (req, seg) in enumerate(zip(reqs, segments)):
@@ -324,18 +322,20 @@ class PyExecutor:
         the argmax, or a draw for sampling requests; {request id: verify row} of the drafter's
         requests, without padding)."""
         drafter = self.drafter
-        rows = [(out.logits_offsets[i], req) for i, (req, seg) in enumerate(zip(reqs, segments))
-                if not req.sampling_params.greedy and seg.num_logits and (i < num_ctx or drafter is None)]
         # with a drafter only prompt ends choose here (the verify rows go through the drafter)
-        needed = drafter is None or any(seg.num_logits for seg in segments[:num_ctx])
-        ids = self.sampler.choose(out.logits, [r for r, _ in rows], [q.request_id for _, q in rows],
-                                  [q.sampling_params for _, q in rows]) if needed and out.logits.shape[0] else None
+        chooses = len(reqs) if drafter is None else num_ctx
+        ids = self._choose_on_device(reqs[:chooses], segments[:chooses], out)
         gen = list(range(num_ctx, len(reqs))) if drafter is not None else []
         ver, k1 = None, 0
         if gen:
-            ver = self._isolated_verify([reqs[i] for i in gen], out, [out.logits_offsets[i] for i in gen],
-                                        [segments[i].num_logits for i in gen])
-            k1 = ver.shape[1] if ver is not None else 0
+            # one verify over the step; if it fails, each request alone (only the failing ones fail)
+            items = [(reqs[i], out.logits_offsets[i], segments[i].num_logits) for i in gen]
+            blocks = self._isolated(lambda its: self.drafter.verify([r for r, _, _ in its], out.logits,
+                                                                    [o for _, o, _ in its], [c for _, _, c in its]),
+                                    items, lambda it: it[0])
+            if blocks:
+                k1 = max(b.shape[1] for b in blocks)
+                ver = torch.cat([torch.nn.functional.pad(b, (0, k1 - b.shape[1]), value=-1) for b in blocks])
         n = ids.shape[0] if ids is not None else 0
         parts = [t.reshape(-1) for t in (ids, ver) if t is not None]
         host = torch.cat(parts).tolist() if parts else []
@@ -347,49 +347,38 @@ class PyExecutor:
                 verified[req.request_id] = row[:row.index(-1)] if -1 in row else row
         return host[:n], verified
 
-    def _isolated_verify(self, reqs: list[LlmRequest], out: ForwardOutput, offsets: list[int],
-                         counts: list[int]) -> Optional[torch.Tensor]:
-        """drafter.verify over the step; if it fails, each request alone, failing only those that do.
-        Returns the rows of the requests still live, in order (None when none is)."""
-        try:
-            return self.drafter.verify(reqs, out.logits, offsets, counts)
-        except Exception as e:
-            if _is_fatal(e) or len(reqs) == 1:
-                if _is_fatal(e):
-                    raise
-                self._fail(reqs[0], e)
-                return None
-        rows = []
-        for req, o, c in zip(reqs, offsets, counts):
-            try:
-                rows.append(self.drafter.verify([req], out.logits, [o], [c]))
-            except Exception as e:
-                if _is_fatal(e):
-                    raise
-                self._fail(req, e)
-        if not rows:
+    def _choose_on_device(self, reqs: list[LlmRequest], segments: list[ForwardSegment],
+                          out: ForwardOutput) -> Optional[torch.Tensor]:
+        """Token ids [N] on the device for every logits row of `out`: the argmax, overwritten by a draw
+        on the rows of sampling requests among `reqs` (a prefix of the step's requests); None when
+        none of them wants logits (no sync either way)."""
+        if not any(seg.num_logits for seg in segments):
             return None
-        k1 = max(r.shape[1] for r in rows)
-        return torch.cat([torch.nn.functional.pad(r, (0, k1 - r.shape[1]), value=-1) for r in rows])
+        rows = [(out.logits_offsets[i], req) for i, (req, seg) in enumerate(zip(reqs, segments))
+                if not req.sampling_params.greedy and seg.num_logits]
+        return self.sampler.choose(out.logits, [r for r, _ in rows], [q.request_id for _, q in rows],
+                                   [q.sampling_params for _, q in rows])
 
-    def _isolated(self, fn: Callable[[list], None], items: list, owner: Callable[[object], LlmRequest]) -> None:
-        """fn(items); if it fails (not fatally), fn([item]) for each, failing the owners that fail."""
+    def _isolated(self, fn: Callable[[list], T], items: list, owner: Callable[[object], LlmRequest]) -> list[T]:
+        """[fn(items)]; if that fails (not fatally), [fn([item]) for each item that succeeds alone],
+        failing the owners of the items that fail."""
         try:
-            fn(items)
-            return
+            return [fn(items)]
         except Exception as e:
             if _is_fatal(e):
                 raise
             if len(items) == 1:
                 self._fail(owner(items[0]), e)
-                return
+                return []
+        out = []
         for item in items:
             try:
-                fn([item])
+                out.append(fn([item]))
             except Exception as e:
                 if _is_fatal(e):
                     raise
                 self._fail(owner(item), e)
+        return out
 
     def _update_requests(self, reqs: list[LlmRequest], segments: list[ForwardSegment], num_ctx: int,
                          out: ForwardOutput, chosen: list[int], verified: dict[int, list[int]]
