@@ -107,7 +107,7 @@ class PyExecutor:
             self._drain_incoming()
             if not self.scheduler.has_work:
                 if self._release_ids:
-                    self._apply_aborts()
+                    self._apply_aborts_and_releases()
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
                 continue
@@ -151,7 +151,7 @@ class PyExecutor:
         With the overlap scheduler the step's tokens stay on the device: the next step is launched
         with them as inputs, and this step's tokens are read (stop criteria applied) one step later,
         while the GPU runs that next step (`_OverlapStep`)."""
-        self._apply_aborts()
+        self._apply_aborts_and_releases()
         batch = self.scheduler.schedule()
         for req in batch.failed:                 # refused at admission: that request alone
             self._deliver(req, [])
@@ -435,7 +435,7 @@ class PyExecutor:
             self._abort_ids.add(request_id)
         self._wake.set()
 
-    def _apply_aborts(self) -> None:
+    def _apply_aborts_and_releases(self) -> None:
         if self._release_ids:
             with self._abort_lock:
                 released, self._release_ids = self._release_ids, set()
