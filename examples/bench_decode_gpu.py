@@ -77,10 +77,11 @@ def bench_config(path: Path, backend: str, graphs: bool, batch_sizes: list[int])
             t_prefill = timed_generate(llm, prompts, 1)
             t_all = timed_generate(llm, prompts, NEW_TOKENS + 1)
             result[b] = b * NEW_TOKENS / max(t_all - t_prefill, 1e-9)
-        runner = llm._bundle.executor.engine.graph_runner
-        if runner is not None:
-            print(f"  graphs: {runner.graphs.num_captures} captured, {runner.graphs.num_replays} replays, "
-                  f"{runner.num_eager_fallbacks} eager steps", flush=True)
+        engine = llm._bundle.executor.engine
+        if engine.graph_runner is not None:
+            print(f"  graphs: {engine.graph_runner.graphs.num_captures} captured, "
+                  f"{engine.graph_runner.graphs.num_replays} replays, {engine.piecewise.num_steps} piecewise "
+                  f"steps, {engine.num_eager_steps} eager steps", flush=True)
     finally:
         llm.shutdown()
         del llm

@@ -82,12 +82,22 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    def attention_inputs(self, h: torch.Tensor, positions: torch.Tensor,
+                         rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h: [T, hidden] residual stream -> (q [T, Hq, D], k, v [T, Hkv, D]) of this layer."""
+        return self.self_attn.qkv(self.input_layernorm(h), positions, rope)
+
+    def output(self, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """h: [T, hidden] residual stream, o: [T, Hq * D] attention output -> the layer's output."""
+        h = h + self.self_attn.o_proj(o)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
     def forward(self, h: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 md: AttentionMetadata, backend: AttentionBackend,
-                rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """h: [T, hidden] residual stream in -> out."""
-        h = h + self.self_attn(self.input_layernorm(h), positions, kv_cache, md, backend, rope=rope)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        q, k, v = self.attention_inputs(h, positions, rope)
+        return self.output(h, self.self_attn.core(q, k, v, kv_cache, md, backend))
 
 
 class LlamaModel(nn.Module):
@@ -127,16 +137,29 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] -> (final-normed hidden [T, H], captured [T, H] per capture id).
 
         A captured tensor is the residual stream after that decoder layer (hidden + residual).
+        The same computation, cut at each attention, is what the piecewise CUDA graphs capture
+        (`embed`, `decoder_layers[i].attention_inputs / .output`, `final_norm`).
         """
-        h = self.model.embed_tokens(input_ids)
+        h, rope = self.embed(input_ids, positions)
         captured: dict[int, torch.Tensor] = {}
         want = set(capture_layer_ids)
-        rope = self.rotary.cos_sin(positions)
         for i, layer in enumerate(self.model.layers):
             h = layer(h, positions, kv_caches[i], md, backend, rope)
             if i in want:
                 captured[i] = h
-        return self.model.norm(h), [captured[i] for i in capture_layer_ids]
+        return self.final_norm(h), [captured[i] for i in capture_layer_ids]
+
+    @property
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor
+              ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """input_ids, positions [T] -> (embeddings [T, H], rope (cos, sin) for every layer)."""
+        return self.model.embed_tokens(input_ids), self.rotary.cos_sin(positions)
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.norm(h)
 
     def fuse_projections(self) -> None:
         """Inference-time GEMM fusion (q|k|v, gate|up); call after the final `.to(device, dtype)`."""

@@ -57,29 +57,46 @@ class Attention(nn.Module):
             k = self.k_norm(k)
         return self.rotary(k, positions), v
 
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor,
+            rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> roped q [T, Hq, D] (contiguous), roped k [T, Hkv, D], v [T, Hkv, D].
+
+        rope: (cos, sin) from `rotary.cos_sin(positions)`, gathered once per model forward.
+        """
+        t = x.shape[0]
+        if self._qkv is not None:
+            nq, nk, hq = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_heads
+            qkv = F.linear(x, *self._qkv)
+            cs = rope if rope is not None else self.rotary.cos_sin(positions)
+            # q and k share positions: one RoPE call over [T, Hq + Hkv, D]
+            qk = self.rotary.apply(qkv[:, :nq + nk].view(t, hq + self.num_kv_heads, self.head_dim), *cs)
+            v = qkv[:, nq + nk:].view(t, self.num_kv_heads, self.head_dim)
+            return qk[:, :hq].contiguous(), qk[:, hq:], v
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        k, v = self.project_kv(x, positions)
+        return self.rotary(q, positions), k, v
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+             metadata: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        """New k / v written, paged attention of q: -> [T, Hq * D] (before o_proj)."""
+        return backend.forward(q, k, v, kv_cache, metadata, self.scale).reshape(q.shape[0], -1)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, backend: AttentionBackend,
                 kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                 rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]. kv_cache: [num_pages, 2, Hkv, P, D].
 
-        rope: (cos, sin) from `rotary.cos_sin(positions)`, gathered once per model forward.
-        """
-        t = x.shape[0]
-        if self._qkv is not None and kv is None:
-            nq, nk, hq = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_heads
-            qkv = F.linear(x, *self._qkv)
-            cs = rope if rope is not None else self.rotary.cos_sin(positions)
-            # q and k share positions: one RoPE call over [T, Hq + Hkv, D]
-            qk = self.rotary.apply(qkv[:, :nq + nk].view(t, hq + self.num_kv_heads, self.head_dim), *cs)
-            q, k = qk[:, :hq].contiguous(), qk[:, hq:]
-            v = qkv[:, nq + nk:].view(t, self.num_kv_heads, self.head_dim)
-            o = backend.forward(q, k, v, kv_cache, metadata, self.scale)
-            return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        q = self.rotary(q, positions)
-        k, v = kv if kv is not None else self.project_kv(x, positions)
-        o = backend.forward(q, k, v, kv_cache, metadata, self.scale)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        kv: precomputed (roped k, v) [T, Hkv, D] each (the drafter's context rows)."""
+        if kv is None:
+            q, k, v = self.qkv(x, positions, rope)
+        else:
+            t = x.shape[0]
+            q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+            if self.q_norm is not None:
+                q = self.q_norm(q)
+            q, (k, v) = self.rotary(q, positions), kv
+        return self.o_proj(self.core(q, k, v, kv_cache, metadata, backend))

@@ -1,11 +1,9 @@
 """CUDA graphs for the generation segments of target steps (decode, verify).
 
-A segment is graphable when its token count is q (1 for decode, 1 + max_draft_len for
-verify, one of `token_counts`), it wants logits for all of them and writes only slots its
-request owns. When every segment of a step is graphable and the batch fits a bucket the
-whole step replays; otherwise the graphable segments of the most common q (at most the
-largest bucket) replay and `ModelEngine` runs the rest eagerly and stitches the outputs
-(`step_split`). The graph group is padded up to the bucket with padding requests that
+A step replays when every segment has the same token count q (1 for decode, 1 + max_draft_len
+for verify, one of `token_counts`), wants logits for all of them and writes only slots its
+request owns, and the batch fits a bucket; any other step is the piecewise runner's
+(`piecewise_graph_runner`). The batch is padded up to the bucket with padding requests that
 live in one page the runner holds::
 
     rows: [ seg0: q tokens | seg1 | ... | segB-1 | pad | ... | pad ]     (bucket * q rows)
@@ -16,7 +14,7 @@ Per (bucket, q) a `_GraphEntry` owns the persistent inputs: input_ids, positions
 A step copies its inputs into them, lets the backend plan outside the graph
 (`backend.prepare(md)` with md.graph_shape) and replays. The first
 step of a (bucket, q) runs once eagerly (warm-up: lazy state, and the backend plans its
-fixed-address wrappers), is captured, then replayed. Anything else runs eagerly.
+fixed-address wrappers), is captured, then replayed.
 
 Host cost per step is kept to a few numpy gathers and one copy: all four inputs are views
 of one device buffer, staged in one pinned host buffer of the same layout and copied with
@@ -41,9 +39,9 @@ from ..attention_backend.interface import BAD_PAGE_INDEX, AttentionBackend, Atte
 from ..runtime.cuda_graph import (GraphCache, GraphEntry, batch_buckets, check_graph_support, fill_padded,
                                   flat_rows, owned_rows)
 from ..runtime.sampler import host_ints
+from ..runtime.step import ForwardOutput
 from ..runtime.token_rows import DraftRow, VerifyTokens
 from .kv_cache.resource_manager import KVCacheManager
-from .step_split import graph_candidates
 
 logger = logging.getLogger("tensorrt_llm")
 
@@ -100,15 +98,6 @@ class StepPlan(NamedTuple):
     starts: np.ndarray      # [B] int64 first position of each segment
 
 
-class GraphRun(NamedTuple):
-    """The replayed part of a step: which segments, and their outputs (q rows each, in order)."""
-
-    indices: list[int]                  # [G] segment indices in step order
-    q: int
-    logits: torch.Tensor                # [G*q, V] float32
-    captured: Optional[torch.Tensor]    # [G*q, n*H] or None
-
-
 @dataclass
 class _GraphEntry(GraphEntry):
     """Persistent buffers of one (bucket, q); outputs: (logits [bucket * q, V] float32, captured
@@ -150,8 +139,7 @@ class CUDAGraphRunner:
         # Padding requests write here; the page is held for the runner's lifetime (never hashed).
         self.scratch_page = kv.scratch_page()
         self.graphs: GraphCache[_GraphEntry] = GraphCache(device)
-        self.num_eager_fallbacks = 0     # steps run wholly eagerly
-        self.num_split_steps = 0         # steps whose graph group replayed next to an eager rest
+        self.num_declined = 0            # steps left to the piecewise / eager path
 
     # ---- eligibility ---------------------------------------------------------------------
     def _bucket(self, n: int) -> Optional[int]:
@@ -160,50 +148,32 @@ class CUDAGraphRunner:
                 return b
         return None
 
-    def plan_group(self, segments) -> Optional[tuple[list[int], StepPlan]]:
-        """(indices of the segments that can replay, in step order; their `StepPlan`), or None
-        when none can. Segments of another shape, with a slot beyond their owned pages, or
-        beyond the largest bucket are left out (they run eagerly)."""
-        if not segments:
+    def plan(self, segments) -> Optional[StepPlan]:
+        """The step's `StepPlan`, or None when it cannot replay: segments of different lengths or of
+        an uncaptured length, a segment wanting fewer logits than tokens, a slot beyond a request's
+        owned pages, or more requests than the largest bucket."""
+        if not segments or len(segments) > self.buckets[-1]:
             return None
         q = len(segments[0].token_ids)
-        if q in self.token_counts and all(len(s.token_ids) == q == s.num_logits for s in segments):
-            idx = list(range(len(segments)))     # the common case: one shape (host cost per step)
-        else:
-            q, idx = graph_candidates([(len(s.token_ids), s.num_logits) for s in segments], self.token_counts)
-            if not idx:
-                return None
-        group = segments if len(idx) == len(segments) else [segments[i] for i in idx]
-        rids = [s.request_id for s in group]
+        if q not in self.token_counts or not all(len(s.token_ids) == q == s.num_logits for s in segments):
+            return None
+        rids = [s.request_id for s in segments]
         rows = self.kv.rows(rids)
-        starts = np.fromiter((s.start for s in group), dtype=np.int64, count=len(idx))
+        starts = np.fromiter((s.start for s in segments), dtype=np.int64, count=len(segments))
         slots = self.kv.slots_batch(rids, starts, q, rows=rows)
-        owned = owned_rows(slots)
-        if len(idx) > self.buckets[-1] or not owned.all():
-            # a write beyond owned pages: eager skips it; beyond the largest bucket: eager
-            keep = np.flatnonzero(owned)[:self.buckets[-1]]
-            if keep.shape[0] == 0:
-                return None
-            idx = [idx[k] for k in keep.tolist()]
-            slots, rows, starts = slots[keep], rows[keep], starts[keep]
-        return idx, StepPlan(self._bucket(len(idx)), q, slots, rows, starts)
+        if not owned_rows(slots).all():
+            return None
+        return StepPlan(self._bucket(len(segments)), q, slots, rows, starts)
 
     # ---- run -------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, segments) -> Optional[GraphRun]:
-        """Replay the graphable segments of a step (all of them, or a split step's graph group).
-
-        Returns a `GraphRun` (indices, q, logits [G*q, V] float32, captured [G*q, n*H] or None),
-        or None when no segment can replay (the whole step runs eagerly).
-        """
-        group = self.plan_group(segments)
-        if group is None:
-            self.num_eager_fallbacks += 1
+    def run(self, segments) -> Optional[ForwardOutput]:
+        """Replay the step (logits [B*q, V] float32, captured [B*q, n*H] or None; segment i's rows
+        start at i*q), or None when it cannot replay (`plan`)."""
+        plan = self.plan(segments)
+        if plan is None:
+            self.num_declined += 1
             return None
-        idx, plan = group
-        if len(idx) < len(segments):
-            self.num_split_steps += 1
-            segments = [segments[i] for i in idx]
         bucket, q = plan.bucket, plan.q
         entry = self.graphs.entry((bucket, q), lambda: self._new_entry(bucket, q))
         self._load_inputs(entry, segments, plan)
@@ -212,7 +182,8 @@ class CUDAGraphRunner:
         logits, captured = self.graphs.replay(entry, self._forward)
         n = len(segments) * q
         cap = captured[:n].clone() if captured is not None else None
-        return GraphRun(idx, q, logits[:n].clone(), cap)
+        offsets = list(range(0, n, q))
+        return ForwardOutput(logits[:n].clone(), offsets, cap, offsets)
 
     def _new_entry(self, bucket: int, q: int) -> _GraphEntry:
         dev, max_pages = self.device, self.kv.max_blocks_per_seq

@@ -12,7 +12,7 @@ from ..attention_backend.interface import AttentionBackend
 from ..runtime.step import ForwardOutput, ForwardSegment
 from .cuda_graph_runner import CUDAGraphRunner
 from .kv_cache.resource_manager import KVCacheManager
-from .step_split import cat_rows, stitched_offsets
+from .piecewise_graph_runner import PiecewiseGraphRunner
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -20,15 +20,16 @@ _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 class ModelEngine:
     """Runs the target model over the KV manager's target pool.
 
-    With `use_cuda_graph`, generation segments of one shape replay a captured graph
-    (`CUDAGraphRunner`): the whole step when every segment fits, else the graph group next to
-    one eager forward of the rest, stitched into one output (`step_split`). A step with no
-    graphable segment runs eagerly.
+    With `use_cuda_graph`, a step whose segments all have one decode / verify shape replays one
+    captured graph (`CUDAGraphRunner`); any other step (prompt chunks, mixed lengths, clamped
+    pages) replays the piecewise graphs around eager attention (`PiecewiseGraphRunner`); a step
+    beyond the largest token bucket runs eagerly.
     """
 
     def __init__(self, model: torch.nn.Module, kv: KVCacheManager, backend: AttentionBackend,
                  device: torch.device, capture_layer_ids: Sequence[int] = (),
-                 use_cuda_graph: bool = False, max_batch_size: int = 1, tokens_per_gen: int = 1):
+                 use_cuda_graph: bool = False, max_batch_size: int = 1, tokens_per_gen: int = 1,
+                 max_num_tokens: int = 2048):
         self.model = model
         self.kv = kv
         self.backend = backend
@@ -40,25 +41,26 @@ class ModelEngine:
             raise ValueError(f"attention backend {backend.name} does not support fp8 KV "
                              f"(pool dtype {kv_dtype}); use kv_cache_config.dtype='auto'")
         self.graph_runner: Optional[CUDAGraphRunner] = None
+        self.piecewise: Optional[PiecewiseGraphRunner] = None
         if use_cuda_graph:
             self.graph_runner = CUDAGraphRunner(model, kv, backend, self.kv_caches, device, max_batch_size,
                                                 token_counts=sorted({1, tokens_per_gen}),
                                                 capture_layer_ids=self.capture_layer_ids)
+            self.piecewise = PiecewiseGraphRunner(model, kv, backend, self.kv_caches, device,
+                                                  max(max_num_tokens, tokens_per_gen), self.capture_layer_ids)
+        self.num_eager_steps = 0
 
     @torch.inference_mode()
     def forward(self, segments: Sequence[ForwardSegment]) -> ForwardOutput:
-        run = self.graph_runner.run(segments) if self.graph_runner is not None else None
-        if run is None:
-            return self._eager(segments)
-        if len(run.indices) == len(segments):
-            offsets = list(range(0, len(segments) * run.q, run.q))
-            return ForwardOutput(run.logits, offsets, run.captured, offsets)
-        shapes = [(len(s.token_ids), s.num_logits) for s in segments]
-        logits_offsets, token_offsets = stitched_offsets(shapes, run.indices, run.q)
-        in_graph = set(run.indices)
-        eager = self._eager([s for i, s in enumerate(segments) if i not in in_graph])
-        return ForwardOutput(cat_rows(eager.logits, run.logits), logits_offsets,
-                             cat_rows(eager.captured, run.captured), token_offsets)
+        """The target forward of the step's segments: logits of the wanted rows, captured rows."""
+        if self.graph_runner is not None:
+            out = self.graph_runner.run(segments)
+            if out is None and self.piecewise is not None:
+                out = self.piecewise.run(segments)
+            if out is not None:
+                return out
+        self.num_eager_steps += 1
+        return self._eager(segments)
 
     def _eager(self, segments: Sequence[ForwardSegment]) -> ForwardOutput:
         """One packed forward of `segments` (any mix of prompt chunks and generation)."""

@@ -21,9 +21,8 @@ NEG_MIN = 0.2
 
 
 def whole_step_plan(runner, segments):
-    """The runner's StepPlan when every segment of the step can replay, else None."""
-    group = runner.plan_group(segments)
-    return group[1] if group is not None and len(group[0]) == len(segments) else None
+    """The runner's StepPlan when the step can replay, else None."""
+    return runner.plan(segments)
 
 
 def gpu(test):
@@ -250,7 +249,7 @@ def test_graph_matches_eager_teacher_forced(llama64_dir, batch):
         pos = [p + q for p in pos]
     runner = engines["graph"].graph_runner
     assert runner.graphs.num_replays == len(qs) and runner.graphs.num_captures == 2      # (bucket, 1), (bucket, 3)
-    assert runner.num_eager_fallbacks == 1                                 # the prefill
+    assert runner.num_declined == 1 and engines["graph"].piecewise.num_steps == 1      # the prefill
 
 
 @gpu

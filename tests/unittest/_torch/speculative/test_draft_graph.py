@@ -139,11 +139,13 @@ def test_split_steps_with_staggered_arrivals_are_lossless(llama64_dir, tmp_path_
     spec = {"decoding_type": "DSpark", "speculative_model": str(drafter)}
     with LLM(str(llama64_dir), speculative_config=spec, **common) as llm:
         toks = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        target = llm._executor.engine.graph_runner
+        llm_engine = llm._executor.engine
+        target = llm_engine.graph_runner
         draft = llm._executor.drafter.graph_runner
         stats = llm._executor.drafter.stats()["draft_cuda_graph"]
     assert [len(t) for t in toks] == max_tokens
     assert toks == baseline
-    assert target.num_split_steps > 0 and target.graphs.num_replays > target.num_eager_fallbacks
+    assert target.num_declined > 0 and target.graphs.num_replays > 0
+    assert llm_engine.piecewise.num_steps == target.num_declined and llm_engine.num_eager_steps == 0
     assert draft is not None and draft.num_split_steps > 0 and draft.graphs.num_replays > draft.num_eager_fallbacks
     assert stats["split_steps"] == draft.num_split_steps > 0

@@ -1,0 +1,203 @@
+"""Piecewise CUDA graphs: any step (prompt chunks mixed with decode / verify segments) replays
+the target's token-wise work from graphs and runs only attention eagerly.
+
+A step that the full-step graphs cannot take (a prompt chunk, segments of mixed lengths, a
+slot beyond a request's owned pages, more requests than the largest batch bucket) used to run
+the whole 30-layer forward eagerly: ~40 launches per layer on the host while every running
+request waited. Everything in a decoder layer except attention is position-wise, so the
+packed tokens are padded to a token bucket T and the forward is cut at each attention::
+
+    piece 0    : embed, rope tables, layer 0 norm + qkv + rope          -> q0 k0 v0
+    attention 0: eager, the step's real n tokens only (K/V write + paged attention) -> o[:n]
+    piece i    : layer i-1 o_proj + residual + MLP (+ capture), layer i norm + qkv + rope
+    ...
+    piece L    : layer L-1 o_proj + residual + MLP (+ capture), final norm   -> hidden, captured
+
+Per token bucket, L + 1 graphs share one memory pool; each piece reads the persistent outputs
+of the piece before it and the eager attention's output buffer `o` [T, Hq*D]. Padding rows
+(n..T-1) compute garbage that no real row reads (no op mixes rows outside attention, which
+sees only the real rows). The attention plan is made once per step from host lengths, as for
+an eager step. Logits are computed after the last piece for the wanted rows only.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from ..attention_backend.interface import AttentionBackend
+from ..runtime.cuda_graph import GraphCache, GraphEntry
+from ..runtime.sampler import host_ints
+from ..runtime.step import ForwardOutput, ForwardSegment
+from ..runtime.token_rows import DraftRow, PendingDrafts, VerifyTokens
+from .kv_cache.resource_manager import KVCacheManager
+
+logger = logging.getLogger("tensorrt_llm")
+
+SMALL_TOKEN_BUCKETS = (16, 32, 64, 128, 256)
+LARGE_TOKEN_STEP = 256
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """Padded token counts captured: 16..256 by powers of two, then multiples of 256, up to the
+    first one >= max_tokens (a step pads to the smallest bucket that holds it)."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    out: list[int] = []
+    for b in SMALL_TOKEN_BUCKETS:
+        out.append(b)
+        if b >= max_tokens:
+            return out
+    while out[-1] < max_tokens:
+        out.append(out[-1] + LARGE_TOKEN_STEP)
+    return out
+
+
+@dataclass
+class PieceOutputs:
+    """What one piece leaves for the next (persistent tensors of its graph)."""
+
+    h: torch.Tensor                                     # [T, H] residual stream (piece L: final-normed)
+    rope: tuple[torch.Tensor, torch.Tensor]             # the step's (cos, sin), made by piece 0
+    qkv: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]   # next layer's attention inputs
+    captured: tuple[torch.Tensor, ...] = ()             # capture layers passed so far, in order
+
+
+@dataclass
+class _PieceEntry(GraphEntry):
+    index: int = 0
+
+
+@dataclass
+class _Bucket:
+    """Persistent inputs of one token bucket: ids, positions [T] int64; attention output o [T, Hq*D]."""
+
+    tokens: int
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    o: torch.Tensor
+    host: torch.Tensor                      # [2, T] int64 staging (pinned on CUDA)
+    pieces: list[_PieceEntry] = field(default_factory=list)
+
+
+def _add_device_tokens(groups: dict, row: DraftRow, dst0: int, k: int) -> None:
+    """Record that input rows dst0..dst0+k-1 take the first k ids of `row` (device-resident)."""
+    pend = row.pending
+    width = pend.device.shape[1]
+    g = groups.setdefault(id(pend), (pend, [], []))
+    g[1].extend(range(dst0, dst0 + k))
+    g[2].extend(range(row.index * width, row.index * width + k))
+
+
+class PiecewiseGraphRunner:
+    """Replays a target forward over any packed segments as L + 1 graph pieces around eager attention."""
+
+    def __init__(self, model: torch.nn.Module, kv: KVCacheManager, backend: AttentionBackend,
+                 kv_caches: Sequence[torch.Tensor], device: torch.device, max_tokens: int,
+                 capture_layer_ids: Sequence[int] = ()):
+        self.model, self.kv, self.backend = model, kv, backend
+        self.kv_caches = list(kv_caches)
+        self.device = device
+        self.capture_layer_ids = list(capture_layer_ids)
+        self.buckets = token_buckets(max_tokens)
+        self.graphs: GraphCache[_PieceEntry] = GraphCache(device)
+        self._buckets: dict[int, _Bucket] = {}
+        self.num_steps = 0
+
+    def bucket_for(self, n: int) -> Optional[int]:
+        return next((b for b in self.buckets if b >= n), None)
+
+    @torch.inference_mode()
+    def run(self, segments: Sequence[ForwardSegment]) -> Optional[ForwardOutput]:
+        """The forward of `segments` packed in step order (as an eager step packs them), or None when
+        the step holds more tokens than the largest bucket (it then runs eagerly)."""
+        lens = [len(s.token_ids) for s in segments]
+        if any(n == 0 for n in lens):
+            bad = next(s for s, n in zip(segments, lens) if n == 0)
+            raise ValueError(f"request {bad.request_id}: empty forward segment")
+        n = sum(lens)
+        t = self.bucket_for(n)
+        if t is None:
+            return None
+        b = self._bucket(t)
+        host = b.host
+        ids, pos = host[0].numpy(), host[1].numpy()
+        token_offsets, logits_offsets, rows = [], [], []
+        on_device: dict[int, tuple[PendingDrafts, list[int], list[int]]] = {}
+        o = 0
+        for seg, k in zip(segments, lens):
+            token_offsets.append(o)
+            logits_offsets.append(len(rows))
+            toks = seg.token_ids
+            if isinstance(toks, VerifyTokens):       # anchor here, drafts gathered on the device
+                ids[o] = toks.anchor
+                _add_device_tokens(on_device, toks.drafts, o + 1, k - 1)
+            elif isinstance(toks, DraftRow):         # the overlap scheduler's token, still on the device
+                _add_device_tokens(on_device, toks, o, k)
+            else:
+                ids[o:o + k] = toks
+            pos[o:o + k] = np.arange(seg.start, seg.start + k)
+            rows.extend(range(o + k - seg.num_logits, o + k))
+            o += k
+        ids[n:] = 0
+        pos[n:] = 0
+        b.input_ids.copy_(host[0], non_blocking=True)
+        b.positions.copy_(host[1], non_blocking=True)
+        for pend, dst, src in on_device.values():    # queued behind the step that made them
+            b.input_ids.index_copy_(0, host_ints(dst, self.device),
+                                    pend.device.reshape(-1).index_select(0, host_ints(src, self.device)))
+        copied = torch.cuda.Event() if self.device.type == "cuda" else None
+        if copied is not None:
+            copied.record()
+        md = self.kv.attention_metadata([s.request_id for s in segments], [s.start for s in segments], lens, True)
+        self.backend.prepare(md)
+        layers = self.model.decoder_layers
+        out = self._replay(b, 0)
+        for i, layer in enumerate(layers):
+            q, k, v = (x[:n] for x in out.qkv)
+            b.o[:n].copy_(layer.self_attn.core(q, k, v, self.kv_caches[i], md, self.backend))
+            out = self._replay(b, i + 1)
+        if copied is not None:
+            copied.synchronize()      # the staging buffer is free for the next step
+        self.num_steps += 1
+        sel = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        hidden = out.h[:n]
+        logits = self.model.compute_logits(hidden[sel]) if rows else hidden.new_zeros(0, 1).float()
+        cap = torch.cat(out.captured, dim=-1)[:n] if out.captured else None
+        return ForwardOutput(logits, logits_offsets, cap, token_offsets)
+
+    def _bucket(self, t: int) -> _Bucket:
+        b = self._buckets.get(t)
+        if b is None:
+            width = self.model.decoder_layers[0].self_attn.o_proj.in_features
+            dtype = self.model.lm_head.weight.dtype
+            i64 = dict(dtype=torch.long, device=self.device)
+            b = _Bucket(t, torch.zeros(t, **i64), torch.zeros(t, **i64),
+                        torch.zeros(t, width, dtype=dtype, device=self.device),
+                        torch.zeros(2, t, dtype=torch.long, pin_memory=self.device.type == "cuda"))
+            b.pieces = [_PieceEntry(index=j) for j in range(len(self.model.decoder_layers) + 1)]
+            self._buckets[t] = b
+            logger.info("capturing piecewise CUDA graphs for %d tokens (%d pieces)", t, len(b.pieces))
+        return b
+
+    def _replay(self, b: _Bucket, j: int) -> PieceOutputs:
+        return self.graphs.replay(b.pieces[j], lambda e: self._piece(b, e.index))
+
+    def _piece(self, b: _Bucket, j: int) -> PieceOutputs:
+        """Piece j of bucket b (captured once; reads the persistent outputs of piece j - 1)."""
+        model, layers = self.model, self.model.decoder_layers
+        if j == 0:
+            h, rope = model.embed(b.input_ids, b.positions)
+            return PieceOutputs(h, rope, layers[0].attention_inputs(h, b.positions, rope))
+        prev: PieceOutputs = b.pieces[j - 1].outputs
+        h = layers[j - 1].output(prev.h, b.o)
+        captured = prev.captured + ((h,) if j - 1 in self.capture_layer_ids else ())
+        if j == len(layers):
+            order = sorted(set(self.capture_layer_ids))
+            by_id = dict(zip(order, captured))
+            return PieceOutputs(model.final_norm(h), prev.rope, None,
+                                tuple(by_id[i] for i in self.capture_layer_ids))
+        return PieceOutputs(h, prev.rope, layers[j].attention_inputs(h, b.positions, prev.rope), captured)
