@@ -141,7 +141,8 @@ def profile_arm(model: str, drafter: str | None, batch: int, max_tokens: int, pr
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
-    ap.add_argument("--prompts", required=True, help="eval_acceptance --export-prompts JSON (mtbench is used)")
+    ap.add_argument("--prompts", required=True, help="prepare_carry.sh's mtbench_prompts.json, or an "
+                    "eval_acceptance --export-prompts JSON (mtbench is used)")
     ap.add_argument("--drafter", action="append", default=[], help="NAME=DIR (repeatable)")
     ap.add_argument("--batch", type=int, nargs="+", default=[64])
     ap.add_argument("--max-tokens", type=int, default=256)
@@ -153,7 +154,9 @@ def main() -> None:
     a = ap.parse_args()
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    prompts = [p["text"] for p in json.loads(Path(a.prompts).read_text())["mtbench"]]
+    doc = json.loads(Path(a.prompts).read_text())
+    # prepare_carry.sh's mtbench_prompts.json ({"prompts": [...]}) or eval_acceptance's export
+    prompts = doc["prompts"] if "prompts" in doc else [p["text"] for p in doc["mtbench"]]
     arms = ([] if a.no_nospec else [("nospec", None)]) + [tuple(d.split("=", 1)) for d in a.drafter]
     rows = []
     for b in a.batch:

@@ -13,7 +13,12 @@ in the same replay and every later step rewrites them before they are read; only
 positions are ever marked written or published. Padding requests write into a scratch page
 the runner holds. Persistent inputs live in `_DraftEntry`; the block's metadata is an
 `AttentionMetadata` with persistent slot_mapping / block_tables that the backend plans
-outside the graph (`prepare` with md.graph_shape set) before each replay.
+outside the graph (`prepare` with md.graph_shape set) before each replay. All integer inputs
+are views of one device buffer, staged in one pinned host buffer of the same layout and sent
+with one non-blocking copy (the host does not wait for the GPU to stage a draft step)::
+
+    io: [ ctx_pos | ctx_slots (n = bucket*q) | blk_ids | blk_pos | blk_slots (m = bucket*S)
+          | block_tables (bucket x max_pages int32, two per int64 word) ]
 
 Split steps: a committed entry is eligible when its request is in GENERATION (or finished),
 greedy (or finished), its captured segment has exactly q rows, it commits 1..q tokens and
@@ -41,8 +46,7 @@ import torch
 
 from ..attention_backend.interface import BAD_PAGE_INDEX, AttentionMetadata
 from ..pyexecutor.kv_cache.resource_manager import KVCacheManager
-from ..runtime.cuda_graph import (GraphCache, GraphEntry, batch_buckets, check_graph_support, owned_rows,
-                                  pack_graph_inputs)
+from ..runtime.cuda_graph import GraphCache, GraphEntry, batch_buckets, check_graph_support, fill_padded, owned_rows
 from ..runtime.llm_request import RequestState
 from ..runtime.step import StepCommit
 from ..runtime.token_rows import PendingDrafts
@@ -72,6 +76,7 @@ class DraftPlan:
     blk_slots: np.ndarray             # [B, S] int64, all >= 0
     new_ctx: list[int]                # [B] ctx' = start + accepted
     anchors: list[int]                # [B] block token 0
+    rows: np.ndarray                  # [B] int64 rows of kv.page_table
 
 
 @dataclass
@@ -80,12 +85,15 @@ class _DraftEntry(GraphEntry):
 
     bucket: int = 0
     captured: Optional[torch.Tensor] = None   # [bucket*q, n*H] target dtype
-    ctx_pos: Optional[torch.Tensor] = None    # [bucket*q] int64
-    ctx_slots: Optional[torch.Tensor] = None  # [bucket*q] int64, all >= 0
-    blk_ids: Optional[torch.Tensor] = None    # [bucket*S] int64
-    blk_pos: Optional[torch.Tensor] = None    # [bucket*S] int64
-    anchors: Optional[torch.Tensor] = None    # [bucket] int64
-    md: Optional[AttentionMetadata] = None    # non-causal block metadata, persistent tables
+    ctx_pos: Optional[torch.Tensor] = None    # [bucket*q] int64 (view of io)
+    ctx_slots: Optional[torch.Tensor] = None  # [bucket*q] int64, all >= 0 (view of io)
+    blk_ids: Optional[torch.Tensor] = None    # [bucket*S] int64 (view of io)
+    blk_pos: Optional[torch.Tensor] = None    # [bucket*S] int64 (view of io)
+    md: Optional[AttentionMetadata] = None    # non-causal block metadata; slot_mapping, block_tables: views of io
+    io: Optional[torch.Tensor] = None         # [words] int64 device buffer (layout: module doc)
+    host: Optional[torch.Tensor] = None       # [words] int64 CPU staging, pinned on CUDA
+    host_views: tuple[np.ndarray, ...] = ()   # numpy views of host, in io order
+    copied: Optional[torch.cuda.Event] = None  # the last host -> io copy (staging buffer reuse)
 
 
 class DraftGraphRunner:
@@ -143,7 +151,7 @@ class DraftGraphRunner:
             anchors.append(req.token_at(c) if not req.is_finished and c < req.num_tokens
                            else self.mask_token_id)
         bucket = next(x for x in self.buckets if x >= len(idx))
-        return idx, DraftPlan(bucket, ctx[ok], blk[ok], new_ctx[ok].tolist(), anchors)
+        return idx, DraftPlan(bucket, ctx[ok], blk[ok], new_ctx[ok].tolist(), anchors, table_rows[ok])
 
     # ---- run -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -191,40 +199,58 @@ class DraftGraphRunner:
         draft_ids = self.graphs.replay(entry, self._forward)
         return PendingDrafts(draft_ids[:b].clone())
 
+    def _io_views(self, buf: torch.Tensor, bucket: int) -> tuple[torch.Tensor, ...]:
+        """(ctx_pos, ctx_slots [bucket*q], blk_ids, blk_pos, blk_slots [bucket*S] int64,
+        block_tables [bucket, max_pages] int32) views of an io buffer."""
+        n, m, width = bucket * self.q, bucket * self.block_size, self.kv.max_blocks_per_seq
+        cuts = [0, n, 2 * n, 2 * n + m, 2 * n + 2 * m, 2 * n + 3 * m]
+        ints = tuple(buf[a:b] for a, b in zip(cuts, cuts[1:]))
+        table = buf[cuts[-1]:].view(torch.int32)[:bucket * width].view(bucket, width)
+        return ints + (table,)
+
     def _new_entry(self, bucket: int, width: int, dtype: torch.dtype) -> _DraftEntry:
         q, s, dev = self.q, self.block_size, self.device
-        i64 = dict(dtype=torch.long, device=dev)
-        md = AttentionMetadata(
-            seq_lens=[s] * bucket, num_cached=[0] * bucket,
-            block_tables=torch.full((bucket, self.kv.max_blocks_per_seq), BAD_PAGE_INDEX,
-                                    dtype=torch.int32, device=dev),
-            slot_mapping=torch.zeros(bucket * s, **i64), tokens_per_block=self.kv.tokens_per_block,
-            causal=False)
+        max_pages = self.kv.max_blocks_per_seq
+        words = 2 * bucket * q + 3 * bucket * s + -(-bucket * max_pages // 2)
+        io = torch.zeros(words, dtype=torch.long, device=dev)
+        host = torch.zeros(words, dtype=torch.long, pin_memory=dev.type == "cuda")
+        ctx_pos, ctx_slots, blk_ids, blk_pos, blk_slots, table = self._io_views(io, bucket)
+        table.fill_(BAD_PAGE_INDEX)
+        md = AttentionMetadata(seq_lens=[s] * bucket, num_cached=[0] * bucket, block_tables=table,
+                               slot_mapping=blk_slots, tokens_per_block=self.kv.tokens_per_block, causal=False)
         return _DraftEntry(bucket=bucket, captured=torch.zeros(bucket * q, width, dtype=dtype, device=dev),
-                           ctx_pos=torch.zeros(bucket * q, **i64), ctx_slots=torch.zeros(bucket * q, **i64),
-                           blk_ids=torch.zeros(bucket * s, **i64), blk_pos=torch.zeros(bucket * s, **i64),
-                           anchors=torch.zeros(bucket, **i64), md=md)
+                           ctx_pos=ctx_pos, ctx_slots=ctx_slots, blk_ids=blk_ids, blk_pos=blk_pos, md=md,
+                           io=io, host=host, host_views=tuple(t.numpy() for t in self._io_views(host, bucket)))
 
-    def _load_inputs(self, entry: _DraftEntry, committed: Sequence[StepCommit], captured: torch.Tensor, plan: DraftPlan) -> None:
-        q, s, b = self.q, self.block_size, len(committed)
-        p, width, scratch = self.kv.tokens_per_block, self.kv.max_blocks_per_seq, self.scratch_page
-        rids = [c.req.request_id for c in committed]
-        tables = self.kv.block_tables(rids, torch.device("cpu"))
-        ctx = pack_graph_inputs([[0] * q] * b, [c.start for c in committed], plan.ctx_slots,
-                                tables, entry.bucket, q, width, scratch, p)
-        blk = pack_graph_inputs([[a] + [self.mask_token_id] * (s - 1) for a in plan.anchors], plan.new_ctx,
-                                plan.blk_slots, tables, entry.bucket, s, width, scratch, p)
+    def _load_inputs(self, entry: _DraftEntry, committed: Sequence[StepCommit], captured: torch.Tensor,
+                     plan: DraftPlan) -> None:
+        """Stage the padded inputs in entry.host, send them with one non-blocking copy, plan the block."""
+        q, s, b, bucket = self.q, self.block_size, len(committed), entry.bucket
+        p, scratch = self.kv.tokens_per_block, self.scratch_page
+        if entry.copied is not None:
+            entry.copied.synchronize()     # the previous step's copy has left the staging buffer
+        ctx_pos, ctx_slots, blk_ids, blk_pos, blk_slots, table = entry.host_views
+        starts = np.fromiter((c.start for c in committed), dtype=np.int64, count=b)
+        new_ctx = np.asarray(plan.new_ctx, dtype=np.int64)
+        ctx_slots[:b * q] = plan.ctx_slots.reshape(-1)
+        fill_padded(ctx_pos, ctx_slots, starts, b, bucket, q, scratch, p)
+        blk_slots[:b * s] = plan.blk_slots.reshape(-1)
+        fill_padded(blk_pos, blk_slots, new_ctx, b, bucket, s, scratch, p)
+        ids = blk_ids.reshape(bucket, s)
+        ids[:b] = self.mask_token_id
+        ids[:b, 0] = plan.anchors
+        ids[b:] = 0
+        np.take(self.kv.page_table, plan.rows, axis=0, out=table[:b])
+        table[b:] = BAD_PAGE_INDEX
+        table[b:, 0] = scratch
+        entry.io.copy_(entry.host, non_blocking=True)
+        if entry.io.is_cuda:
+            entry.copied = torch.cuda.Event()
+            entry.copied.record()
         entry.captured[:b * q].copy_(captured)
-        entry.ctx_pos.copy_(ctx.positions)
-        entry.ctx_slots.copy_(ctx.slot_mapping)
-        entry.blk_ids.copy_(blk.input_ids)
-        entry.blk_pos.copy_(blk.positions)
-        entry.anchors.copy_(blk.input_ids.view(entry.bucket, s)[:, 0])
         md = entry.md
-        md.slot_mapping.copy_(blk.slot_mapping)
-        md.block_tables.copy_(blk.block_tables)
-        md.num_cached = blk.num_cached
-        md.graph_shape = (entry.bucket, s, width)
+        md.num_cached = plan.new_ctx + [0] * (bucket - b)
+        md.graph_shape = (bucket, s, self.kv.max_blocks_per_seq)
         self.backend.prepare(md)
 
     def _forward(self, entry: _DraftEntry) -> torch.Tensor:
@@ -232,5 +258,5 @@ class DraftGraphRunner:
         feats = d.context_features(entry.captured)
         d.write_context(feats, entry.ctx_pos, entry.ctx_slots, self.kv_caches, self.backend, slots_valid=True)
         hidden = d.forward_block(entry.blk_ids, entry.blk_pos, entry.md, self.kv_caches, self.backend)
-        ids, _ = d.propose(hidden, entry.anchors, self.k_max)
+        ids, _ = d.propose(hidden, entry.blk_ids.view(entry.bucket, self.block_size)[:, 0], self.k_max)
         return ids

@@ -137,10 +137,10 @@ def _neighbour_rows_differ(out, segs):
         assert rel(out.captured[a:a + n], out.captured[b:b + n]) > NEG_MIN, i
 
 
-def _device_tokens(segs, q):
+def _device_tokens(segs, q, device):
     """The same step with the verify segments' drafts and the decode token held as device rows."""
-    drafts = PendingDrafts(torch.tensor([s.token_ids[1:] for s in segs if len(s.token_ids) == q]))
-    last = PendingDrafts(torch.tensor([[s.token_ids[0]] for s in segs if len(s.token_ids) == 1]))
+    drafts = PendingDrafts(torch.tensor([s.token_ids[1:] for s in segs if len(s.token_ids) == q], device=device))
+    last = PendingDrafts(torch.tensor([[s.token_ids[0]] for s in segs if len(s.token_ids) == 1], device=device))
     out, j = [], 0
     for s in segs:
         t = s.token_ids
@@ -170,7 +170,7 @@ def test_piecewise_step_equals_eager_cpu(tiny_llama_dir):
     for step, rid in enumerate((9, 10)):
         segs = _mixed_step(prompts, pos, g, q, rid)
         n = sum(len(s.token_ids) for s in segs)
-        run_segs = _device_tokens(segs, q) if step else segs
+        run_segs = _device_tokens(segs, q, torch.device("cpu")) if step else segs
         with torch.inference_mode():
             out = runner.run(run_segs)
         want = ref.forward(segs)
@@ -216,7 +216,7 @@ def test_mixed_step_piecewise_graphs_match_eager(llama64_dir):
     pos = {rid: len(pr) for rid, pr in prompts.items()}
     for step in range(steps):   # the first step captures its bucket's pieces, later ones replay
         segs = _mixed_step(prompts, pos, g, q, 9 + step)     # a new request arrives every step
-        run_segs = _device_tokens(segs, q) if step == steps - 1 else segs
+        run_segs = _device_tokens(segs, q, torch.device("cuda")) if step == steps - 1 else segs
         out, ref = graph.forward(run_segs), eager.forward(segs)
         assert out.logits.shape == ref.logits.shape and out.captured.shape == ref.captured.shape
         _check_segments(out, ref, segs, TOL)

@@ -102,6 +102,41 @@ def test_partition_picks_graphable_entries():
     assert runner.partition(committed[1:2], rows[1:2]) == ([], None)
 
 
+def test_load_inputs_stages_one_padded_buffer():
+    """The graph inputs of a draft step: one host buffer, laid out as the views the graph reads."""
+    from tensorrt_llm._torch.attention_backend.interface import BAD_PAGE_INDEX
+    kv = _kv()
+    for rid in range(3):
+        kv.add_sequence(rid, [1], 128)
+        kv.ensure_capacity(rid, 48)
+    committed = [StepCommit(_req(0, 20, 2), 0, 20, 2), StepCommit(_req(1, 8, 5), Q, 8, 5),
+                 StepCommit(_req(2, 30, 1), 2 * Q, 30, 1)]
+    runner = _runner(kv, buckets=[4])
+    prepared = []
+    runner.backend = SimpleNamespace(prepare=prepared.append)
+    idx, plan = runner.partition(committed, [Q] * 3)
+    assert idx == [0, 1, 2] and plan.bucket == 4
+    entry = runner._new_entry(4, 6, torch.float32)
+    captured = torch.randn(3 * Q, 6)
+    runner._load_inputs(entry, committed, captured, plan)
+    scratch, ar_q, ar_s = runner.scratch_page, torch.arange(Q), torch.arange(S)
+    starts, new_ctx = [20, 8, 30], [22, 13, 31]
+    assert entry.ctx_pos.view(4, Q).tolist() == [(st + ar_q).tolist() for st in starts] + [ar_q.tolist()]
+    assert entry.ctx_slots.view(4, Q).tolist() == plan.ctx_slots.tolist() + [(scratch * P + ar_q).tolist()]
+    assert entry.blk_pos.view(4, S).tolist() == [(c + ar_s).tolist() for c in new_ctx] + [ar_s.tolist()]
+    anchors = [committed[i].req.token_at(c) for i, c in enumerate(new_ctx)]
+    assert entry.blk_ids.view(4, S).tolist() == [[a] + [511] * (S - 1) for a in anchors] + [[0] * S]
+    md = entry.md
+    assert prepared == [md] and md.num_cached == new_ctx + [0] and md.graph_shape == (4, S, kv.max_blocks_per_seq)
+    assert md.slot_mapping.view(4, S).tolist() == plan.blk_slots.tolist() + [(scratch * P + ar_s).tolist()]
+    tables = kv.block_tables([0, 1, 2], torch.device("cpu"))
+    w = tables.shape[1]
+    assert torch.equal(md.block_tables[:3, :w], tables) and (md.block_tables[:3, w:] == BAD_PAGE_INDEX).all()
+    assert md.block_tables[3, 0] == scratch and (md.block_tables[3, 1:] == BAD_PAGE_INDEX).all()
+    assert not torch.equal(md.block_tables[0], md.block_tables[1])     # each request its own row
+    assert torch.equal(entry.captured[:3 * Q], captured)
+
+
 # ---- a whole split draft step on the CPU -------------------------------------------------------
 def _worker(tiny_llama_dir):
     tc = LlamaConfig.from_dict(read_config(tiny_llama_dir), "t")
