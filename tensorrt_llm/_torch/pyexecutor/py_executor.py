@@ -52,7 +52,7 @@ class PyExecutor:
         # each item is one group of requests that reaches the scheduler in one drain
         self._incoming: "queue.Queue[list[tuple[LlmRequest, UpdateCallback]]]" = queue.Queue()
         self._callbacks: dict[int, UpdateCallback] = {}
-        self._final_notices: Optional[list[tuple[LlmRequest, list[int]]]] = None   # inside a step
+        self._notices: Optional[list[tuple[LlmRequest, list[int]]]] = None   # inside a step
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -161,7 +161,7 @@ class PyExecutor:
             batch.generation_requests = [r for r in batch.generation_requests if not _last_token_pending(r)]
         if batch.empty:
             if self._inflight is not None:
-                self._final_notices = []
+                self._notices = []
                 try:
                     self._read_overlapped()
                     self._retire_finished()
@@ -174,9 +174,10 @@ class PyExecutor:
                 self._notify(req, [])
             return
         self.iterations += 1
-        # A request's final notice waits until its pages are back in the pool, so a caller that
-        # sees it finished also sees its KV freed (no race with the next request's admission).
-        self._final_notices = []
+        # Notices are delivered at the end of the step: after the next GPU work is launched (the
+        # draft step, or the next overlapped step), and a final notice after the request's pages
+        # are back in the pool (a caller that sees it finished also sees its KV freed).
+        self._notices = []
         try:
             reqs, segments = self._build_segments(batch)
             num_ctx = len(batch.context_requests)
@@ -203,7 +204,7 @@ class PyExecutor:
             self._flush_notices()
 
     def _flush_notices(self) -> None:
-        notices, self._final_notices = self._final_notices, None
+        notices, self._notices = self._notices, None
         for req, tokens in notices or ():
             self._deliver(req, tokens)
 
@@ -261,7 +262,7 @@ class PyExecutor:
         """Requests whose prefill ran on another worker: pull their prompt KV into the pages admission
         reserved, then continue as after a local prefill step (first token appended, drafts set).
         A failed pull fails that request alone."""
-        self._final_notices = []
+        self._notices = []
         room = self.drafter.lookahead_tokens if self.drafter is not None else 0
         kv, p = self.kv, self.kv.tokens_per_block
         try:
@@ -494,8 +495,8 @@ class PyExecutor:
         return any(s in tail for s in stops)
 
     def _notify(self, req: LlmRequest, new_tokens: list[int]) -> None:
-        if req.is_finished and self._final_notices is not None:
-            self._final_notices.append((req, new_tokens))   # delivered at the end of the step
+        if self._notices is not None:
+            self._notices.append((req, new_tokens))   # delivered at the end of the step
         else:
             self._deliver(req, new_tokens)
 
