@@ -25,7 +25,8 @@ setup(
     ],
     extras_require={
         "gpu": ["flashinfer-python==0.7.2.post1"],
-        "test": ["pytest>=8", "transformers>=4.45", "openai>=1.40"],
+        # triton: the TRITON kernels' CPU tests run in Triton's interpreter (CUDA wheels of torch ship it)
+        "test": ["pytest>=8", "transformers>=4.45", "openai>=1.40", "triton>=3.2"],
         # GSM8K through the server (tensorrt_llm/bench/lm_eval_gsm8k.py); heavy, not installed by CI
         "eval": ["lm-eval[api]==0.4.13", "transformers>=4.45", "accelerate"],
     },

@@ -122,7 +122,7 @@ def step_ratio(model: str, drafter: str, batches=(1, 16, 64), new_tokens: int = 
         out.append({"batch": b, "verify_ms": v * 1000, "draft_ms": d * 1000, "draft_over_verify": d / v if v else None,
                     "verify_steps": timers["n_verify"], "draft_steps": timers["n_draft"],
                     "draft_graph_replays_total": g.graphs.num_replays if g else 0,
-                    "draft_eager_steps_total": g.num_eager_fallbacks if g else None})
+                    "draft_graph_launches_total": g.num_launches if g else None})
     llm.shutdown()
     return out
 

@@ -110,7 +110,7 @@ def profile_arm(model: str, drafter: str | None, batch: int, max_tokens: int, pr
     if ex.drafter is not None:
         g = ex.drafter.graph_runner
         res["draft_graph_replays"] = g.graphs.num_replays if g else 0
-        res["draft_eager_fallbacks"] = g.num_eager_fallbacks if g else None
+        res["draft_graph_launches"] = g.num_launches if g else None
     # 2. GPU time per step (over another generate of the same requests)
     res.update(_gpu_ms_per_step(llm, chat, params))
     # 3. cProfile of the executor thread

@@ -126,10 +126,10 @@ def break_draft_reuse(llm: LLM) -> None:
         raise ValueError("the broken arm needs a drafter (a draft KV pool)")
     draft = spec.draft
 
-    def draft_tail_from_zero(commits, captured):
+    def draft_tail_from_zero(commits, captured, ahead=None):
         shifted = [StepCommit(c.req, c.row0, c.start - c.req.num_cached_prompt if c.req.num_cached_prompt else c.start,
                               c.count) for c in commits]
-        return draft(shifted, captured)
+        return draft(shifted, captured, ahead)
     spec.draft = draft_tail_from_zero
 
 

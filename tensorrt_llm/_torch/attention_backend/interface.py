@@ -33,6 +33,9 @@ class BackendCapabilities:
     fp8_kv: bool = False
     cuda_graphs: bool = False
     devices: tuple[str, ...] = ("cpu", "cuda")
+    # reads the KV lengths from `AttentionMetadata.kv_lens_device` (no host plan): a step whose
+    # lengths are computed on the GPU can be captured and launched before the host knows them
+    device_lengths: bool = False
 
 
 @dataclass
@@ -52,6 +55,9 @@ class AttentionMetadata:
     # (batch bucket, tokens per request, max pages per request) of a captured CUDA graph step:
     # backends plan fixed-address state for it; None for an eager step
     graph_shape: Optional[tuple[int, int, int]] = None
+    # [B] int32 on the device: num_cached + seq_lens, for backends with `device_lengths` (the
+    # host lists above may then be stale placeholders)
+    kv_lens_device: Optional[torch.Tensor] = None
     extras: dict = field(default_factory=dict)  # backend-owned plan state (e.g. flashinfer)
 
     @property

@@ -22,7 +22,7 @@ import torch
 
 from ..runtime.llm_request import LlmRequest, RequestState
 from ..runtime.sampler import Sampler
-from ..runtime.step import ForwardOutput, ForwardSegment, StepCommit
+from ..runtime.step import DraftsAhead, ForwardOutput, ForwardSegment, StepCommit, VerifiedSegment
 from ..runtime.token_rows import PendingDrafts
 from ..speculative.interface import Drafter
 from .kv_cache.resource_manager import KVCacheManager
@@ -193,10 +193,10 @@ class PyExecutor:
             if self.overlap:
                 self._launch_overlapped(reqs, segments, num_ctx, out)
             else:
-                chosen, verified = self._choose_tokens(reqs, segments, num_ctx, out)
+                chosen, verified, ahead = self._choose_tokens(reqs, segments, num_ctx, out)
                 commits = self._update_requests(reqs, segments, num_ctx, out, chosen, verified)
                 if self.drafter is not None and out.captured is not None and commits:
-                    self._isolated(lambda cs: self.drafter.draft(cs, out.captured), commits, lambda c: c.req)
+                    self._isolated(lambda cs: self.drafter.draft(cs, out.captured, ahead), commits, lambda c: c.req)
                 for req in reqs:
                     self._finish_context_only(req)
             self._retire_finished()
@@ -318,10 +318,11 @@ class PyExecutor:
         return batch.context_requests + batch.generation_requests, segments
 
     def _choose_tokens(self, reqs: list[LlmRequest], segments: list[ForwardSegment], num_ctx: int,
-                       out: ForwardOutput) -> tuple[list[int], dict[int, list[int]]]:
+                       out: ForwardOutput) -> tuple[list[int], dict[int, list[int]], Optional[DraftsAhead]]:
         """Every token choice of the step with ONE device->host copy: (chosen id per logits row:
         the argmax, or a draw for sampling requests; {request id: verify row} of the drafter's
-        requests, without padding)."""
+        requests, without padding; the drafts launched from the device-side verify rows before
+        that copy, so the GPU drafts while the host reads and updates)."""
         drafter = self.drafter
         # with a drafter only prompt ends choose here (the verify rows go through the drafter)
         chooses = len(reqs) if drafter is None else num_ctx
@@ -337,16 +338,25 @@ class PyExecutor:
             if blocks:
                 k1 = max(b.shape[1] for b in blocks)
                 ver = torch.cat([torch.nn.functional.pad(b, (0, k1 - b.shape[1]), value=-1) for b in blocks])
+        live = [i for i in gen if not reqs[i].is_finished]     # the rows of `ver`, in order
+        ahead = None
+        if ver is not None and out.captured is not None:
+            segs = [VerifiedSegment(reqs[i], out.token_offsets[i], segments[i].start, len(segments[i].token_ids), j)
+                    for j, i in enumerate(live)]
+            try:
+                ahead = drafter.draft_ahead(segs, ver, out.captured)
+            except Exception as e:   # not fatal: the requests draft after the update instead
+                if _is_fatal(e):
+                    raise
+                logger.error("draft_ahead failed (%s: %s); drafting after the update", type(e).__name__, e)
         n = ids.shape[0] if ids is not None else 0
         parts = [t.reshape(-1) for t in (ids, ver) if t is not None]
         host = torch.cat(parts).tolist() if parts else []
         verified: dict[int, list[int]] = {}
-        if ver is not None:
-            live = [reqs[i] for i in gen if not reqs[i].is_finished]
-            for j, req in enumerate(live):
-                row = host[n + j * k1:n + (j + 1) * k1]
-                verified[req.request_id] = row[:row.index(-1)] if -1 in row else row
-        return host[:n], verified
+        for j, i in enumerate(live if ver is not None else ()):
+            row = host[n + j * k1:n + (j + 1) * k1]
+            verified[reqs[i].request_id] = row[:row.index(-1)] if -1 in row else row
+        return host[:n], verified, ahead
 
     def _choose_on_device(self, reqs: list[LlmRequest], segments: list[ForwardSegment],
                           out: ForwardOutput) -> Optional[torch.Tensor]:

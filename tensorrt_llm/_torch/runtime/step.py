@@ -3,6 +3,8 @@
     ForwardSegment : one request's tokens for a forward (prompt chunk or [anchor, d1..dK])
     ForwardOutput  : logits rows of the wanted positions + captured hidden rows, per segment
     StepCommit     : a request's newly committed tokens and where their captured rows are
+    VerifiedSegment: a verify segment whose acceptance is still on the device
+    DraftsAhead    : drafts launched from device-side acceptance before the host read it
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from .llm_request import LlmRequest
+from .token_rows import PendingDrafts
 
 
 @dataclass
@@ -26,8 +29,7 @@ class ForwardSegment:
 
 @dataclass
 class ForwardOutput:
-    """Outputs of one step. Offsets are per segment and need not be monotonic in segment order
-    (a split step puts its eager segments' rows first, then the graph group's; `step_split`)."""
+    """Outputs of one step, packed in segment order (offsets are per segment)."""
 
     logits: torch.Tensor                  # [sum(num_logits), V] float32
     logits_offsets: list[int]             # row offset of each segment's logits
@@ -48,3 +50,24 @@ class StepCommit:
     row0: int       # first captured row of the request's segment
     start: int      # first committed position
     count: int      # committed tokens (>= 0; 0 when a request failed or stopped before its first)
+
+
+@dataclass(frozen=True)
+class VerifiedSegment:
+    """A generation request's verify segment after the verify step, before the host reads it:
+    its committed count is row `verify_row` of the step's verify output [G, K+1] (on the device)."""
+
+    req: LlmRequest
+    row0: int        # first captured row of its segment
+    start: int       # position of its anchor (its first committed position)
+    num_tokens: int  # tokens (= captured rows) of its segment: 1 + its drafts
+    verify_row: int  # its row in the verify output
+
+
+@dataclass(frozen=True)
+class DraftsAhead:
+    """Drafts launched on the device from the verify output, before the host read it: request id
+    -> its row of `drafts` [G, K] (the draft context of its committed tokens is written too)."""
+
+    rows: dict[int, int]
+    drafts: PendingDrafts

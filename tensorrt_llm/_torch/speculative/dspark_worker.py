@@ -29,7 +29,7 @@ from ..pyexecutor.kv_cache.kv_cache_spec import KVCacheSpec
 from ..pyexecutor.kv_cache.resource_manager import KVCacheManager
 from ..runtime.llm_request import LlmRequest, RequestState
 from ..runtime.sampler import Sampler, host_ints, processed_rows
-from ..runtime.step import StepCommit
+from ..runtime.step import DraftsAhead, StepCommit, VerifiedSegment
 from ..runtime.token_rows import DraftRow, VerifyTokens
 from .accept_stats import AcceptStats
 from .interface import Drafter
@@ -70,6 +70,7 @@ class DSparkWorker(Drafter):
         self.rejection: Optional[RejectionSampler] = None
         self.kv_caches: list[torch.Tensor] = []
         self.graph_runner = None
+        self.graph_backend: Optional[str] = None    # the draft graph's attention backend, or why it is off
 
     # ---- Drafter properties --------------------------------------------------------------
     @property
@@ -94,11 +95,20 @@ class DSparkWorker(Drafter):
         self.kv_caches = kv.layer_caches("draft")
 
     def enable_cuda_graphs(self, max_batch_size: int) -> None:
-        """Capture the draft step of generation-only greedy steps per batch bucket (after `bind`)."""
+        """Capture the draft step of greedy verified requests per batch bucket (after `bind`): it is
+        launched from the device-side verify output (`draft_ahead`), with the TRITON attention
+        backend (lengths read on the device). Without it (no triton) drafting stays eager."""
+        from ..attention_backend.triton_backend import TritonAttention
         from .draft_graph_runner import DraftGraphRunner
         if self.kv is None:
             raise ValueError("bind() the worker to its KV manager before enabling CUDA graphs")
-        self.graph_runner = DraftGraphRunner(self.drafter, self.kv, self.backend, self.kv_caches, self.device,
+        ok, why = TritonAttention.availability(self.device)
+        if not ok:
+            logger.warning("draft CUDA graph disabled: %s (the draft step runs eagerly)", why)
+            self.graph_backend = why
+            return
+        self.graph_backend = TritonAttention.name
+        self.graph_runner = DraftGraphRunner(self.drafter, self.kv, TritonAttention(), self.kv_caches, self.device,
                                              max_batch_size, verify_tokens=1 + self.max_draft_len,
                                              num_drafts=self.max_draft_len)
 
@@ -107,7 +117,8 @@ class DSparkWorker(Drafter):
         return {"architecture": dc.architecture, "block_size": dc.block_size,
                 "max_draft_len": self.max_draft_len, "target_layer_ids": list(dc.target_layer_ids),
                 "kv_bytes_per_token": self.kv_cache_spec.bytes_per_token,
-                "attention_backend": {"name": self.resolution.name, "reason": self.resolution.reason}}
+                "attention_backend": {"name": self.resolution.name, "reason": self.resolution.reason},
+                "draft_graph_backend": self.graph_backend}
 
     # ---- verification ------------------------------------------------------------------
     def verify_tokens(self, req: LlmRequest) -> Sequence[int]:
@@ -160,39 +171,43 @@ class DSparkWorker(Drafter):
         return list(verified[:cap])
 
     # ---- drafting ----------------------------------------------------------------------
+    def draft_ahead(self, segments: Sequence[VerifiedSegment], verified: torch.Tensor,
+                    captured: torch.Tensor) -> Optional[DraftsAhead]:
+        if self.graph_runner is None or not segments:
+            return None
+        try:
+            return self.graph_runner.launch(segments, [s.num_tokens for s in segments], verified, captured)
+        except RuntimeError as e:   # a capture the runtime refuses: serve eagerly from now on
+            if "CUDA error" in str(e):
+                raise
+            logger.error("draft CUDA graph failed (%s); drafting eagerly from now on", e)
+            self.graph_runner = None
+            self.graph_backend = f"off after an error: {e}"
+            return None
+
     @torch.inference_mode()
-    def draft(self, commits: Sequence[StepCommit], captured: Optional[torch.Tensor]) -> None:
-        """Write draft context for the committed tokens, then draft for generating requests.
+    def draft(self, commits: Sequence[StepCommit], captured: Optional[torch.Tensor],
+              ahead: Optional[DraftsAhead] = None) -> None:
+        """Attach the drafts launched by `draft_ahead`, then write draft context for the other
+        committed tokens and draft for their generating requests (eagerly).
 
         captured: [T, n*H] target hidden states of this step's packed tokens.
         """
         if captured is None or not commits:
             return
-        rest = self._graph_draft(commits, captured) if self.graph_runner is not None else list(commits)
+        rest = list(commits)
+        if ahead is not None:
+            launched = [c for c in commits if c.req.request_id in ahead.rows]
+            self._mark_written(launched)       # their context rows were written by the launch
+            for c in launched:
+                req = c.req
+                # running => its host count equals the device count (a cap or a stop finishes it);
+                # all K drafts, also near max_tokens: `accept` caps what is committed
+                if req.state == RequestState.GENERATION and not req.is_finished:
+                    req.draft_tokens, req.draft_probs = ahead.drafts.row(ahead.rows[req.request_id]), None
+            rest = [c for c in commits if c.req.request_id not in ahead.rows]
         if rest:
             self._eager_draft(rest, captured)
-
-    def _graph_draft(self, commits: Sequence[StepCommit], captured: torch.Tensor) -> list[StepCommit]:
-        """Replay the draft graph for the eligible commits; returns the commits left for eager."""
-        try:
-            idx, drafts = self.graph_runner.draft(commits, captured)
-        except RuntimeError as e:   # a capture the runtime refuses: serve eagerly from now on
-            logger.error("draft CUDA graph failed (%s); drafting eagerly from now on", e)
-            self.graph_runner = None
-            return list(commits)
-        if not idx:
-            return list(commits)
-        group = [commits[i] for i in idx]
-        self._mark_written(group)      # host bookkeeping while the GPU drafts
-        for j, c in enumerate(group):
-            req = c.req
-            if req.state == RequestState.GENERATION and not req.is_finished:
-                # all K drafts, also near max_tokens: the verify segment keeps the graph's
-                # shape and `accept` caps what is committed; they stay on the device until
-                # the next verify step reads them there (`runtime.token_rows`)
-                req.draft_tokens, req.draft_probs = drafts.row(j), None
-        taken = set(idx)
-        return [c for i, c in enumerate(commits) if i not in taken]
 
     def _eager_draft(self, commits: Sequence[StepCommit], captured: torch.Tensor) -> None:
         """The draft step without CUDA graphs: any mix of context chunks, clamps and sampling."""
@@ -310,7 +325,7 @@ class DSparkWorker(Drafter):
         g = self.graph_runner
         if g is not None:
             d["draft_cuda_graph"] = {"captures": g.graphs.num_captures, "replays": g.graphs.num_replays,
-                                     "eager_steps": g.num_eager_fallbacks, "split_steps": g.num_split_steps}
+                                     "drafted_requests": g.num_drafted}
         return d
 
     def write_stats(self, folder: Path, rank: int = 0) -> Path:

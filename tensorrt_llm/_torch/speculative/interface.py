@@ -5,10 +5,11 @@ A step with a drafter, as `PyExecutor.step` runs it::
     segments  : prompt chunks | [anchor, d1..dK] per generating request   (verify_tokens)
     forward   : target logits of the wanted rows + captured hidden rows
     verify    : [G, K+1] output ids on the device (accepted drafts, one target token, -1 pad)
+    draft_ahead: the next drafts launched from the device-side verify output (no wait)
     host copy : one per step (the executor's token choice and the verify rows together)
     accept    : per request, the tokens to append (capped at max_tokens) + acceptance stats
     kv.commit : verified tokens recorded; a block is published once its draft KV is written too
-    draft     : draft-context writes for every StepCommit, then the next block of drafts
+    draft     : the launched drafts attached; draft-context writes and drafts for the rest
 
 The executor imports only this module of `speculative/`; `create_drafter` builds the concrete
 drafter from its config.
@@ -24,7 +25,7 @@ from ..pyexecutor.kv_cache.kv_cache_spec import KVCacheSpec
 from ..pyexecutor.kv_cache.resource_manager import KVCacheManager
 from ..runtime.llm_request import LlmRequest
 from ..runtime.sampler import Sampler
-from ..runtime.step import StepCommit
+from ..runtime.step import DraftsAhead, StepCommit, VerifiedSegment
 
 
 class Drafter(ABC):
@@ -70,14 +71,24 @@ class Drafter(ABC):
         Returns [G, K+1] int64 on the device: accepted drafts, one target token, -1 padding.
         """
 
+    def draft_ahead(self, segments: Sequence[VerifiedSegment], verified: torch.Tensor,
+                    captured: torch.Tensor) -> Optional[DraftsAhead]:
+        """Launch the next drafts of verified requests from the verify output `verified` [G, K+1]
+        (on the device, not yet read by the host) and the step's captured rows [T, n*H], without
+        waiting for the GPU. Returns what was launched, or None; `draft` handles the rest after
+        the host update. A drafter that cannot launch early returns None."""
+        return None
+
     @abstractmethod
     def accept(self, req: LlmRequest, verified: Sequence[int]) -> list[int]:
         """A request's host row of `verify` (without its -1 padding) -> the tokens to commit (at
         most max_tokens - emitted, at least 1); records acceptance and clears the request's drafts."""
 
     @abstractmethod
-    def draft(self, commits: Sequence[StepCommit], captured: Optional[torch.Tensor]) -> None:
-        """Write draft context for the committed tokens, then propose drafts for generating requests.
+    def draft(self, commits: Sequence[StepCommit], captured: Optional[torch.Tensor],
+              ahead: Optional[DraftsAhead] = None) -> None:
+        """Write draft context for the committed tokens, then propose drafts for generating requests;
+        requests in `ahead` (this step's `draft_ahead`) only take their launched drafts.
         captured: [T, n*H] the step's captured target hidden rows (None when nothing was captured)."""
 
     @abstractmethod

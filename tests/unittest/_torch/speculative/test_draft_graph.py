@@ -1,14 +1,15 @@
-"""CUDA-graph draft step (context write + block + greedy drafts) vs the eager draft step.
+"""CUDA-graph draft step launched from the device-side verify output (context write + block +
+greedy drafts, TRITON attention) vs the eager draft step after the host update.
 
 GPU: a tiny Llama with head_dim 64 and random GQA (2 KV heads x 64) / MLA (512 + 64 latent)
-drafters at block 8 (9 verify rows per request), through the LLM API with FLASHINFER + use_cuda_graph. Every graph
-replay is shadowed by the eager draft step on the same inputs: the draft ids must agree (bf16:
+drafters at block 8 (9 verify rows per request), through the LLM API with FLASHINFER + use_cuda_graph. Every
+launch is shadowed by the eager draft step of the same commits after the update: the draft ids must agree (bf16:
 >= 90% of ids) and the draft KV both wrote at the committed positions must match (first and last
 drafter layer, relative error < 2e-2), while the same KV compared one committed row off must not
 (negative control, > 0.3; a wrong-anchor control was too weak in bf16: 75% of ids agreed on the
 H200), and greedy output must equal the no-spec graph engine's, token for token. With staggered
-arrivals and different max_tokens, target and draft steps split (graph group + eager rest)
-and the output still equals the no-spec engine's.
+arrivals and different max_tokens (piecewise target steps, launched drafts next to eager
+ones) the output still equals the no-spec engine's.
 CPU: the eager path is what CPU runs; enabling graphs without CUDA raises.
 """
 from __future__ import annotations
@@ -20,7 +21,6 @@ from tensorrt_llm import LLM, SamplingParams
 from tensorrt_llm._torch.models.checkpoint import read_config
 from tensorrt_llm._torch.models.modeling_dspark import DSparkForCausalLMBase
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
-from tensorrt_llm._torch.speculative.draft_graph_runner import DraftGraphRunner
 from tensorrt_llm._torch.speculative.dspark_worker import DSparkWorker
 
 PROMPTS = ["the quick brown fox", "hello world, what is the capital of france?", "once upon a time",
@@ -83,38 +83,39 @@ def test_draft_graph_matches_eager_and_is_lossless(llama64_dir, tmp_path_factory
         baseline = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
 
     seen = {"same": 0, "total": 0, "replays": 0, "kv_err": [], "kv_off": []}
-    orig_run = DraftGraphRunner.run
+    orig_draft = DSparkWorker.draft
 
-    def shadowed(self, committed, captured, plan):
-        pending = orig_run(self, committed, captured, plan)
-        ids = pending.rows()          # the host values (waits for the draft step's copy)
+    def shadowed(self, commits, captured, ahead=None):
+        orig_draft(self, commits, captured, ahead)      # attaches the launched drafts
+        if ahead is None:
+            return
         seen["replays"] += 1
-        worker = self.shadow_worker
-        live = [c.req for c in committed if not c.req.is_finished]
-        graph = {c.req.request_id: g for c, g in zip(committed, ids)}
-        slots = [s for c in committed for s in self.kv.slots(c.req.request_id, c.start, c.count)]
-        layers = (worker.kv_caches[0], worker.kv_caches[-1])
+        ids = ahead.drafts.rows()     # the host values (waits for the draft step's copy)
+        live = [c for c in commits if c.req.request_id in ahead.rows and not c.req.is_finished]
+        if not live:
+            return
+        graph = {c.req.request_id: ids[ahead.rows[c.req.request_id]] for c in live}
+        slots = [s for c in live for s in self.kv.slots(c.req.request_id, c.start, c.count)]
+        layers = (self.kv_caches[0], self.kv_caches[-1])
         graph_kv = [_rows(c, slots) for c in layers]
-        worker._eager_draft(committed, captured)   # the same step eagerly (rewrites the KV)
+        self._eager_draft(live, captured)   # the same step eagerly (rewrites the KV and the drafts)
         for g, c in zip(graph_kv, layers):
             e = _rows(c, slots)
             seen["kv_err"].append(float((g - e).norm() / e.norm()))
             if len(slots) > 1:    # negative control: each row against the next committed row
                 seen["kv_off"].append(float((g - e.roll(1, 0)).norm() / e.norm()))
-        for req in live:
-            e = req.draft_tokens
+        for c in live:
+            e = c.req.draft_tokens
             seen["total"] += len(e)
-            seen["same"] += sum(a == b for a, b in zip(graph[req.request_id], e))
-        return pending
+            seen["same"] += sum(a == b for a, b in zip(graph[c.req.request_id], e))
 
-    monkeypatch.setattr(DraftGraphRunner, "run", shadowed)
+    monkeypatch.setattr(DSparkWorker, "draft", shadowed)
     spec = {"decoding_type": "DSpark", "speculative_model": str(drafter)}
     with _llm(llama64_dir, use_cuda_graph=True, speculative_config=spec) as llm:
         worker: DSparkWorker = llm._executor.drafter
-        worker.graph_runner.shadow_worker = worker
         toks = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
         runner = worker.graph_runner
-        assert runner.graphs.num_captures >= 1 and runner.graphs.num_replays == seen["replays"] > 0
+        assert runner.graphs.num_captures >= 1 and runner.num_launches == seen["replays"] > 0
     assert toks == baseline
     assert seen["total"] > 100
     assert seen["same"] / seen["total"] >= 0.9, seen
@@ -125,8 +126,8 @@ def test_draft_graph_matches_eager_and_is_lossless(llama64_dir, tmp_path_factory
 @gpu
 def test_split_steps_with_staggered_arrivals_are_lossless(llama64_dir, tmp_path_factory):
     """More requests than the batch and different max_tokens: requests finish at different steps
-    and new prompts arrive next to verify segments, so target and draft steps split (graph group
-    + eager rest). Output == the no-spec graph engine's, token for token; graphs dominate."""
+    and new prompts arrive next to verify segments (piecewise target steps; the prompt-finishing
+    requests draft eagerly next to the launched draft graph). Output == the no-spec graph engine's, token for token; graphs dominate."""
     pytest.importorskip("flashinfer")
     drafter = _drafter(tmp_path_factory, llama64_dir, "gqa")
     prompts = PROMPTS + [p[::-1] for p in PROMPTS]
@@ -147,5 +148,47 @@ def test_split_steps_with_staggered_arrivals_are_lossless(llama64_dir, tmp_path_
     assert toks == baseline
     assert target.num_declined > 0 and target.graphs.num_replays > 0
     assert llm_engine.piecewise.num_steps == target.num_declined and llm_engine.num_eager_steps == 0
-    assert draft is not None and draft.num_split_steps > 0 and draft.graphs.num_replays > draft.num_eager_fallbacks
-    assert stats["split_steps"] == draft.num_split_steps > 0
+    assert draft is not None and draft.num_launches > 0 and stats["drafted_requests"] == draft.num_drafted > 0
+
+
+@gpu
+def test_dspark_step_syncs_once_after_its_draft_launch(llama64_dir, tmp_path_factory):
+    """20 steady-state DSpark steps with graphs: every step launches its drafts from the device-side
+    verify rows (one draft-graph launch per step) and blocks on the device once, for the verify
+    rows' host copy, which the GPU overlaps with the draft step (torch.cuda.set_sync_debug_mode
+    ("warn") reports every blocking call). Control: the mode does report a blocking read."""
+    import warnings
+    pytest.importorskip("flashinfer")
+    drafter = _drafter(tmp_path_factory, llama64_dir, "gqa")
+    spec = {"decoding_type": "DSpark", "speculative_model": str(drafter)}
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    with _llm(llama64_dir, use_cuda_graph=True, speculative_config=spec) as llm:
+        ex = llm._executor
+        ex.shutdown()                                   # drive by hand
+        handles = [llm.generate_async([5 + i, 6, 7, 8, 9 + i], params) for i in range(4)]
+        ex._drain_incoming()
+        for _ in range(4):                              # prefill, warm-up and capture
+            ex.step()
+        runner = ex.drafter.graph_runner
+        launches = runner.num_launches
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for _ in range(20):
+                    ex.step()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        syncs = [str(w.message) for w in seen if "synchroniz" in str(w.message)]
+        assert runner.num_launches - launches == 20
+        assert 0 < len(syncs) <= 20, syncs[:5]
+        ex.run_until_idle()
+        assert all(len(h.result(timeout=0).outputs[0].token_ids) == 200 for h in handles)
+    with warnings.catch_warnings(record=True) as seen:        # control
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            torch.ones(1, device="cuda").item()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert any("synchroniz" in str(w.message) for w in seen)

@@ -265,10 +265,10 @@ def _zero_reused_draft_pages(monkeypatch):
 def _tail_from_position_zero(monkeypatch):
     orig = DSparkWorker.draft
 
-    def broken(self, commits, captured):
+    def broken(self, commits, captured, ahead=None):
         commits = [StepCommit(c.req, c.row0, c.start - c.req.num_cached_prompt if c.start < c.req.prompt_len
                               else c.start, c.count) for c in commits]
-        return orig(self, commits, captured)
+        return orig(self, commits, captured, ahead)
     monkeypatch.setattr(DSparkWorker, "draft", broken)
 
 

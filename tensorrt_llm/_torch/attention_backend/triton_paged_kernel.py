@@ -1,0 +1,119 @@
+"""Paged attention with the KV lengths read on the device (Triton): no host plan, so a step whose
+lengths are only known on the GPU (the draft block placed after a verify step's acceptance)
+can be launched, and captured in a CUDA graph, before the host learns them.
+
+One program per (request, KV head, block of query rows); a row is (query i, q head g of the KV
+head's group), so MLA (one latent "KV head" shared by all heads) packs queries x heads into
+rows. It walks the request's pages through its block-table row up to kv_lens[b]; keys past the
+length, and for causal steps past the query's own position, are masked (and never loaded)::
+
+    query i of request b sits at position kv_lens[b] - q_per_seq + i
+    causal     : it sees keys at positions <= its own
+    non-causal : it sees every key < kv_lens[b] (a DSpark draft block)
+
+GQA cache [pages, 2, Hkv, P, D]: K = plane 0, V = plane 1, value width D.
+MLA cache [pages, 1, 1, P, R + r]: K = the whole latent (scores over the R latent dims plus the
+r rope dims), V = its first R dims.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _paged_attention_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cp, stride_cplane, stride_ch,
+                            stride_cs, bt_ptr, stride_bt, lens_ptr, out_ptr, stride_ot, stride_oh, scale,
+                            QPS: tl.constexpr, G: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
+                            K_PLANE: tl.constexpr, V_PLANE: tl.constexpr, PAGE: tl.constexpr,
+                            BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < QPS * G
+    qi = rows // G
+    head = kvh * G + rows % G
+    tok = b * QPS + qi
+    kv_len = tl.load(lens_ptr + b).to(tl.int32)
+    qpos = kv_len - QPS + qi
+    d = tl.arange(0, DV)
+    q_rows = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh
+    q = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0)
+    if DR > 0:
+        dr = tl.arange(0, DR)
+        q_r = tl.load(q_rows + DV + dr[None, :], mask=row_ok[:, None], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DV], tl.float32)
+    offs = tl.arange(0, PAGE)
+    n_pages = tl.cdiv(kv_len, PAGE)
+    for j in range(0, n_pages):
+        page = tl.load(bt_ptr + b * stride_bt + j).to(tl.int64)
+        n = j * PAGE + offs
+        key_ok = n < kv_len
+        slot = cache_ptr + page * stride_cp + kvh * stride_ch + offs[:, None] * stride_cs
+        k = tl.load(slot + K_PLANE * stride_cplane + d[None, :], mask=key_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k))
+        if DR > 0:
+            k_r = tl.load(slot + K_PLANE * stride_cplane + DV + dr[None, :], mask=key_ok[:, None], other=0.0)
+            s += tl.dot(q_r, tl.trans(k_r))
+        s = s * scale
+        ok = key_ok[None, :]
+        if CAUSAL:
+            ok = ok & (n[None, :] <= qpos[:, None])
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if V_PLANE == K_PLANE:    # MLA: the value is the latent's first DV dims, the tile just loaded
+            v = k
+        else:
+            v = tl.load(slot + V_PLANE * stride_cplane + d[None, :], mask=key_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor,
+                    scale: float, causal: bool, v_dim: int, mla: bool) -> torch.Tensor:
+    """q [B * q_per_seq, Hq, Dqk] (q_per_seq rows per request, request-major) over the pages of
+    kv_cache (module doc) -> [B * q_per_seq, Hq, v_dim] in q's dtype.
+
+    block_tables [B, max_pages] int32 and kv_lens [B] (int32 / int64) on q's device; every page a
+    request reads (kv_lens[b] / P rounded up) must be a real page of it.
+    """
+    b = kv_lens.shape[0]
+    t, hq, dqk = q.shape
+    pages, planes, hkv, page_size, width = kv_cache.shape
+    if b == 0 or t % b:
+        raise ValueError(f"{t} query rows do not split evenly over {b} requests")
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
+    dr = dqk - v_dim
+    if mla:
+        if planes != 1 or hkv != 1 or width != dqk:
+            raise ValueError(f"MLA needs a [pages, 1, 1, P, {dqk}] cache, got {tuple(kv_cache.shape)}")
+    elif planes != 2 or width != dqk or dr != 0:
+        raise ValueError(f"GQA needs a [pages, 2, Hkv, P, {dqk}] cache and v_dim {dqk}, got "
+                         f"{tuple(kv_cache.shape)}, v_dim {v_dim}")
+    for name, n in (("value width", v_dim), ("rope width", dr), ("page size", page_size)):
+        if n and n & (n - 1):
+            raise ValueError(f"{name} {n} is not a power of two")
+    if page_size < 16 or v_dim < 16:
+        raise ValueError(f"page size {page_size} and value width {v_dim} must be >= 16")
+    if kv_cache.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("q and the KV cache need a contiguous last dimension")
+    qps, g = t // b, hq // hkv
+    block_m = 16 if qps * g <= 16 else 32
+    out = torch.empty(t, hq, v_dim, dtype=q.dtype, device=q.device)
+    grid = (b, hkv, triton.cdiv(qps * g, block_m))
+    _paged_attention_kernel[grid](
+        q, q.stride(0), q.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        kv_cache.stride(3), block_tables, block_tables.stride(0), kv_lens, out, out.stride(0), out.stride(1),
+        float(scale), QPS=qps, G=g, DV=v_dim, DR=dr, K_PLANE=0, V_PLANE=0 if mla else 1, PAGE=page_size,
+        BLOCK_M=block_m, CAUSAL=causal, num_warps=8 if mla else 4, num_stages=1 if mla else 2)
+    return out

@@ -1,0 +1,92 @@
+"""Plan-free paged attention (Triton, lengths read on the device) against the VANILLA reference
+(`paged_sdpa`, host metadata): GQA causal (verify rows), GQA non-causal (a draft block) and
+absorbed MLA, over shuffled pages and uneven lengths. Negative controls: a length off by one
+page and another request's table row land far outside the tolerance; bad shapes raise.
+
+Runs on the GPU (bf16) and, without one, in Triton's interpreter on the CPU (float32); skipped
+where triton is not installed.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")     # before triton is imported
+pytest.importorskip("triton")
+
+from tensorrt_llm._torch.attention_backend.interface import BAD_PAGE_INDEX, AttentionMetadata  # noqa: E402
+from tensorrt_llm._torch.attention_backend.triton_paged_kernel import paged_attention  # noqa: E402
+from tensorrt_llm._torch.attention_backend.vanilla import paged_sdpa  # noqa: E402
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPE = torch.bfloat16 if DEV.type == "cuda" else torch.float32
+TOL = 2e-2 if DTYPE == torch.bfloat16 else 1e-4
+NEG_MIN = 0.1
+P = 16
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def _case(mla: bool, qps: int, lens: list[int], seed: int = 0):
+    """A cache with random pages (shuffled ids) and queries for len(lens) requests."""
+    g = torch.Generator().manual_seed(seed)
+    hq, hkv, width = (4, 1, 48) if mla else (6, 2, 32)
+    planes = 1 if mla else 2
+    widths = [-(-n // P) for n in lens]
+    perm = torch.randperm(sum(widths) + 3, generator=g)
+    table = torch.full((len(lens), max(widths) + 2), BAD_PAGE_INDEX, dtype=torch.int32)
+    o = 0
+    for b, w in enumerate(widths):
+        table[b, :w] = perm[o:o + w].to(torch.int32)
+        o += w
+    cache = torch.randn(len(perm), planes, hkv, P, width, generator=g).to(DTYPE)
+    q = torch.randn(len(lens) * qps, hq, width, generator=g).to(DTYPE)
+    return q.to(DEV), cache.to(DEV), table.to(DEV)
+
+
+def _reference(q, cache, table, lens, qps, causal, v_dim, mla):
+    md = AttentionMetadata(seq_lens=[qps] * len(lens), num_cached=[n - qps for n in lens], block_tables=table,
+                           slot_mapping=torch.zeros(0, dtype=torch.long, device=DEV), tokens_per_block=P,
+                           causal=causal)
+    v = None if mla else cache[:, 1]
+    return paged_sdpa(q.float(), cache[:, 0].float(), None if v is None else v.float(), md, 0.3,
+                      v_dim=v_dim if mla else None)
+
+
+@pytest.mark.parametrize("mla,causal,qps", [(False, True, 5), (False, False, 8), (True, False, 8), (True, True, 3)])
+def test_paged_attention_matches_reference(mla, causal, qps):
+    lens = [qps + 1, 37, 16, 70]
+    q, cache, table = _case(mla, qps, lens)
+    v_dim = 32 if mla else cache.shape[-1]
+    kv_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    got = paged_attention(q, cache, table, kv_lens, 0.3, causal, v_dim, mla)
+    want = _reference(q, cache, table, lens, qps, causal, v_dim, mla)
+    assert got.shape == want.shape == (q.shape[0], q.shape[1], v_dim) and got.dtype == q.dtype
+    assert rel(got, want) < TOL
+    # negative controls: one page less of context; request 1 reading request 3's pages
+    short = paged_attention(q, cache, table, kv_lens - P, 0.3, causal, v_dim, mla)
+    rows = slice(qps, 2 * qps)
+    assert rel(short[rows], want[rows]) > NEG_MIN
+    swapped = table.clone()
+    swapped[1] = table[3]
+    wrong = paged_attention(q, cache, swapped, kv_lens, 0.3, causal, v_dim, mla)
+    assert rel(wrong[rows], want[rows]) > NEG_MIN
+
+
+def test_paged_attention_rejects_bad_shapes():
+    q, cache, table = _case(False, 4, [20, 20])
+    lens = torch.tensor([20, 20], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="split evenly"):
+        paged_attention(q[:7], cache, table, lens, 0.3, True, 32, False)
+    with pytest.raises(ValueError, match="GQA needs"):
+        paged_attention(q, cache, table, lens, 0.3, True, 16, False)
+    with pytest.raises(ValueError, match="MLA needs"):
+        paged_attention(q, cache, table, lens, 0.3, True, 16, True)
+    with pytest.raises(ValueError, match="multiple"):
+        paged_attention(q[:, :5], cache, table, lens, 0.3, True, 32, False)

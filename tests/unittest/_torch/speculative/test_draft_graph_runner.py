@@ -1,0 +1,211 @@
+"""The draft step launched from the device-side verify output (`DraftGraphRunner`, `draft_ahead`).
+
+CPU (no triton needed): `plan` picks greedy GENERATION requests with a full verify segment and
+every slot up to start+q+S-1 owned, capped at the largest bucket; the launch's staged inputs
+(one padded host buffer) lay out as the graph reads them.
+CPU (Triton's interpreter): a whole launch, the graph "replayed" by running its forward
+directly, then `draft` after the host update, equals the eager draft step after the update:
+the same drafts and the same draft KV at every committed position, GQA and MLA, with
+acceptance lengths from 1 to q; negative controls: verify rows claiming one more accepted
+token give other drafts; captured rows of the wrong request give other draft KV.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tensorrt_llm import DSparkDecodingConfig, SamplingParams
+from tensorrt_llm._torch.attention_backend.interface import BAD_PAGE_INDEX
+from tensorrt_llm._torch.attention_backend.resolver import Resolution
+from tensorrt_llm._torch.attention_backend.triton_backend import TritonAttention
+from tensorrt_llm._torch.attention_backend.vanilla import VanillaAttention
+from tensorrt_llm._torch.models.checkpoint import read_config
+from tensorrt_llm._torch.models.modeling_dspark import DSparkForCausalLMBase
+from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
+from tensorrt_llm._torch.pyexecutor.kv_cache.kv_cache_spec import KVCacheSpec
+from tensorrt_llm._torch.pyexecutor.kv_cache.resource_manager import KVCacheManager
+from tensorrt_llm._torch.runtime.llm_request import LlmRequest, RequestState
+from tensorrt_llm._torch.runtime.sampler import Sampler
+from tensorrt_llm._torch.runtime.step import StepCommit, VerifiedSegment
+from tensorrt_llm._torch.runtime.token_rows import DraftRow
+from tensorrt_llm._torch.speculative.draft_graph_runner import DraftGraphRunner
+from tensorrt_llm._torch.speculative.dspark_worker import DSparkWorker
+
+P, Q, S = 16, 5, 4          # page, verify rows (K+1; K = 4 drafts with shift_label), block
+
+
+def _runner(kv, drafter=None, kv_caches=(), buckets=None):
+    drafter = drafter or SimpleNamespace(config=SimpleNamespace(block_size=S, mask_token_id=511))
+    runner = DraftGraphRunner(drafter, kv, TritonAttention(), list(kv_caches), torch.device("cuda"), 8,
+                              verify_tokens=Q, num_drafts=Q - 1, buckets=buckets)
+    runner.device = torch.device("cpu")    # built for "cuda" (its device check)
+    return runner
+
+
+def _req(rid, start, n, state=RequestState.GENERATION, greedy=True, prompt=6):
+    """A request after its update: start + n committed tokens, the last verified one pending."""
+    total = start + n + (state != RequestState.CONTEXT)
+    sp = (SamplingParams(max_tokens=64, ignore_eos=True) if greedy else
+          SamplingParams(max_tokens=64, temperature=0.8, seed=1, ignore_eos=True))
+    toks = [3 + (7 * rid + i) % 400 for i in range(max(total, prompt))]
+    req = LlmRequest(rid, toks[:min(prompt, total)], sp)
+    req.output_token_ids = toks[min(prompt, total):total]
+    req.num_computed = start + n
+    req.state = state
+    return req
+
+
+def _kv(num_pages=64, draft_spec=None):
+    specs = [KVCacheSpec("target", "gqa", 1, 2, 1, 4, torch.float32)]
+    if draft_spec is not None:
+        specs.append(draft_spec)
+    return KVCacheManager(specs, num_pages, P, 128, torch.device("cpu"))
+
+
+def _verify_row(req, start, n):
+    """The verify output row of a request that committed n tokens from `start`: the accepted
+    drafts and the target's token (positions start+1..start+n), -1 padded to q."""
+    return [req.token_at(start + 1 + i) for i in range(n)] + [-1] * (Q - n)
+
+
+def test_plan_picks_launchable_requests():
+    kv = _kv()
+    for rid in range(9):
+        kv.add_sequence(rid, [1], 128)
+        kv.ensure_capacity(rid, 48)
+    fin = _req(6, 20, 2)
+    fin.finish("length")
+    items = [VerifiedSegment(_req(0, 20, 2), 0, 20, Q, 0),                        # yes
+             VerifiedSegment(_req(1, 20, 2, greedy=False), 5, 20, Q, 1),          # sampled
+             VerifiedSegment(_req(2, 20, 4), 10, 20, Q, 2),                       # yes
+             VerifiedSegment(_req(3, 20, 1), 15, 20, 2, 3),                       # a shorter segment
+             VerifiedSegment(_req(4, 40, 1), 17, 40, Q, 4),                       # 40..48: block beyond its pages
+             VerifiedSegment(_req(5, 39, 1), 22, 39, Q, 5),                       # 39..47: owned
+             VerifiedSegment(fin, 27, 20, Q, 6),                                  # failed in its verify
+             VerifiedSegment(_req(7, 10, 4), 32, 10, Q, 7)]                       # yes
+    runner = _runner(kv)
+    idx, plan = runner.plan(items, [it.num_tokens for it in items])
+    assert idx == [0, 2, 5, 7] and plan.bucket == 4
+    assert plan.starts.tolist() == [20, 20, 39, 10]
+    assert plan.ctx_slots.tolist() == [kv.slots(r, s, Q) for r, s in ((0, 20), (2, 20), (5, 39), (7, 10))]
+    assert plan.rows.tolist() == kv.rows([0, 2, 5, 7]).tolist()
+    idx, _ = _runner(kv, buckets=[1, 2]).plan(items, [it.num_tokens for it in items])
+    assert idx == [0, 2]                                                     # the largest bucket
+    assert runner.plan(items[1:2], [Q]) == ([], None)
+
+
+def test_load_inputs_stages_one_padded_buffer():
+    kv = _kv()
+    for rid in range(3):
+        kv.add_sequence(rid, [1], 128)
+        kv.ensure_capacity(rid, 48)
+    reqs = [_req(0, 20, 2), _req(1, 8, 5), _req(2, 30, 1)]
+    items = [VerifiedSegment(r, j * Q, s, Q, j) for j, (r, s) in enumerate(zip(reqs, (20, 8, 30)))]
+    runner = _runner(kv, buckets=[4])
+    idx, plan = runner.plan(items, [Q] * 3)
+    assert idx == [0, 1, 2] and plan.bucket == 4
+    entry = runner._new_entry(4, 6, torch.float32)
+    captured = torch.randn(3 * Q, 6)
+    verified = torch.tensor([_verify_row(r, s, n) for r, s, n in zip(reqs, (20, 8, 30), (2, 5, 1))])
+    runner._load_inputs(entry, 3, captured, verified, plan)
+    scratch, ar_q = runner.scratch_page, torch.arange(Q)
+    assert entry.ctx_pos.view(4, Q).tolist() == [(st + ar_q).tolist() for st in (20, 8, 30)] + [ar_q.tolist()]
+    assert entry.ctx_slots.view(4, Q).tolist() == plan.ctx_slots.tolist() + [(scratch * P + ar_q).tolist()]
+    assert entry.starts.tolist() == [20, 8, 30, 0]
+    assert torch.equal(entry.verified[:3], verified) and entry.verified[3].tolist() == [0] + [-1] * (Q - 1)
+    tables = kv.block_tables([0, 1, 2], torch.device("cpu"))
+    bt, w = entry.md.block_tables, tables.shape[1]
+    assert torch.equal(bt[:3, :w], tables) and (bt[:3, w:] == BAD_PAGE_INDEX).all()
+    assert bt[3, 0] == scratch and (bt[3, 1:] == BAD_PAGE_INDEX).all()
+    assert torch.equal(entry.captured[:3 * Q], captured)
+
+
+# ---- a whole launch on the CPU (Triton's interpreter) -------------------------------------------
+class _DirectGraphs:
+    """Stands in for GraphCache on the CPU: a replay runs the forward (as the captured graph would)."""
+
+    num_captures = 0
+    num_replays = 0
+
+    def entry(self, key, make):
+        self.e = getattr(self, "e", None) or make()
+        return self.e
+
+    def replay(self, entry, forward):
+        self.num_replays += 1
+        return forward(entry)
+
+
+def _worker(tiny_llama_dir, kind):
+    tc = LlamaConfig.from_dict(read_config(tiny_llama_dir), "t")
+    extra = {"qk_rope_head_dim": 16} if kind == "mla" else {}      # the kernel's dot widths: >= 16
+    drafter = DSparkForCausalLMBase.random_init(kind, tc, seed=2, block_size=S, **extra)
+    torch.manual_seed(0)     # the bound embedding / head: the same in every twin
+    drafter.bind_target(torch.nn.Embedding(tc.vocab_size, tc.hidden_size),
+                        torch.nn.Linear(tc.hidden_size, tc.vocab_size, bias=False))
+    worker = DSparkWorker(DSparkDecodingConfig(speculative_model="unused"), drafter, VanillaAttention(),
+                          Resolution("VANILLA", "test"), torch.device("cpu"), torch.float32, "test")
+    kv = _kv(draft_spec=worker.kv_cache_spec)
+    worker.bind(kv, Sampler(0, torch.device("cpu")))
+    g = torch.Generator().manual_seed(1)
+    for cache in worker.kv_caches:          # earlier context: the same random pages in every twin
+        cache.copy_(torch.randn(cache.shape, generator=g))
+    return worker, kv, len(drafter.config.target_layer_ids) * tc.hidden_size
+
+
+CASES = [(0, 20, 2), (1, 8, 5), (2, 30, 1), (3, 12, 3)]      # (request, start, committed tokens)
+
+
+def _launch(tiny_llama_dir, kind, ahead: bool, shift: bool = False, swap_rows: bool = False):
+    worker, kv, width = _worker(tiny_llama_dir, kind)
+    for rid, _, _ in CASES:
+        kv.add_sequence(rid, [1], 128)
+        kv.ensure_capacity(rid, 48)
+    reqs = [_req(rid, start, n) for rid, start, n in CASES]
+    commits = [StepCommit(r, j * Q, start, n) for j, (r, (_, start, n)) in enumerate(zip(reqs, CASES))]
+    captured = torch.randn(len(CASES) * Q, width, generator=torch.Generator().manual_seed(0))
+    if not ahead:
+        worker.draft(commits, captured)      # no graph runner: the eager draft step
+        return worker, kv, commits
+    runner = _runner(kv, worker.drafter, worker.kv_caches)
+    runner.graphs = _DirectGraphs()
+    worker.graph_runner = runner
+    rows = [_verify_row(r, start, n) for r, (_, start, n) in zip(reqs, CASES)]
+    if shift:    # negative control: one more token accepted than committed (a token 7 after them)
+        rows = [(row[:n] + [7] + [-1] * Q)[:Q] for row, (_, _, n) in zip(rows, CASES)]
+    row0 = [j * Q for j in range(len(CASES))]
+    if swap_rows:   # negative control: two requests read each other's captured rows
+        row0[0], row0[1] = row0[1], row0[0]
+    items = [VerifiedSegment(r, row0[j], start, Q, j) for j, (r, (_, start, _)) in enumerate(zip(reqs, CASES))]
+    got = worker.draft_ahead(items, torch.tensor(rows), captured)
+    assert got is not None and sorted(got.rows) == [0, 1, 2, 3] and runner.graphs.num_replays == 1
+    worker.draft(commits, captured, got)
+    return worker, kv, commits
+
+
+def _committed_kv(kv, commits) -> torch.Tensor:
+    pool, rows = kv.pools["draft"], []
+    for c in commits:
+        for s in kv.slots(c.req.request_id, 0, c.start + c.count):
+            rows.append(pool[:, s // P, :, :, s % P])
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_launched_draft_step_equals_eager(tiny_llama_dir, kind):
+    pytest.importorskip("triton")
+    _, kv_e, ref = _launch(tiny_llama_dir, kind, ahead=False)
+    _, kv_a, got = _launch(tiny_llama_dir, kind, ahead=True)
+    for a, b in ((x.req, y.req) for x, y in zip(ref, got)):
+        assert isinstance(b.draft_tokens, DraftRow) and len(b.draft_tokens) == Q - 1
+        assert list(a.draft_tokens) == list(b.draft_tokens), a.request_id
+        assert kv_e.seqs[a.request_id].num_draft_valid_tokens == kv_a.seqs[b.request_id].num_draft_valid_tokens
+    assert torch.allclose(_committed_kv(kv_a, got), _committed_kv(kv_e, ref), atol=1e-4)
+    # negative controls: verify rows that claim one more accepted token draft differently;
+    # captured rows of the wrong request write other context
+    _, _, wrong = _launch(tiny_llama_dir, kind, ahead=True, shift=True)
+    assert [list(c.req.draft_tokens) for c in wrong] != [list(c.req.draft_tokens) for c in ref]
+    _, kv_w, wrong = _launch(tiny_llama_dir, kind, ahead=True, swap_rows=True)
+    assert not torch.allclose(_committed_kv(kv_w, wrong), _committed_kv(kv_e, ref), atol=1e-3)
