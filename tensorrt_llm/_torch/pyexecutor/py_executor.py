@@ -339,6 +339,10 @@ class PyExecutor:
                 k1 = max(b.shape[1] for b in blocks)
                 ver = torch.cat([torch.nn.functional.pad(b, (0, k1 - b.shape[1]), value=-1) for b in blocks])
         live = [i for i in gen if not reqs[i].is_finished]     # the rows of `ver`, in order
+        n = ids.shape[0] if ids is not None else 0
+        parts = [t.reshape(-1) for t in (ids, ver) if t is not None]
+        # the host copy is queued before the draft launch, so reading it waits for the verify step only
+        copy = PendingDrafts(torch.cat(parts).view(1, -1)) if parts else None
         ahead = None
         if ver is not None and out.captured is not None:
             segs = [VerifiedSegment(reqs[i], out.token_offsets[i], segments[i].start, len(segments[i].token_ids), j)
@@ -349,9 +353,7 @@ class PyExecutor:
                 if _is_fatal(e):
                     raise
                 logger.error("draft_ahead failed (%s: %s); drafting after the update", type(e).__name__, e)
-        n = ids.shape[0] if ids is not None else 0
-        parts = [t.reshape(-1) for t in (ids, ver) if t is not None]
-        host = torch.cat(parts).tolist() if parts else []
+        host = copy.rows()[0] if copy is not None else []
         verified: dict[int, list[int]] = {}
         for j, i in enumerate(live if ver is not None else ()):
             row = host[n + j * k1:n + (j + 1) * k1]
