@@ -30,6 +30,13 @@ class TritonAttention(AttentionBackend):
             return False, "TRITON needs the triton package (it ships with torch's CUDA wheels)"
         return ok, why
 
+    @staticmethod
+    def shape_support(v_dim: int, rope_dim: int, page_size: int) -> str:
+        """'' when the kernel runs these widths (GQA: v_dim = head_dim, rope_dim 0; MLA: the latent
+        rank and its rope width), else why not."""
+        from .triton_paged_kernel import shape_support
+        return shape_support(v_dim, rope_dim, page_size)
+
     def prepare(self, metadata: AttentionMetadata) -> None:
         if metadata.kv_lens_device is None:
             raise ValueError("attention backend TRITON needs md.kv_lens_device (the KV lengths on the device)")

@@ -78,6 +78,17 @@ def _paged_attention_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cp, s
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+def shape_support(v_dim: int, rope_dim: int, page_size: int) -> str:
+    """'' when the kernel runs these widths, else why not (value and rope widths and the page size
+    must be powers of two, the value width and page size >= 16, a rope width 0 or >= 16)."""
+    for name, n in (("value width", v_dim), ("rope width", rope_dim), ("page size", page_size)):
+        if n and n & (n - 1):
+            return f"{name} {n} is not a power of two"
+    if page_size < 16 or v_dim < 16 or 0 < rope_dim < 16:
+        return f"page size {page_size}, value width {v_dim} and rope width {rope_dim} must be >= 16 (rope: or 0)"
+    return ""
+
+
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor,
                     scale: float, causal: bool, v_dim: int, mla: bool) -> torch.Tensor:
     """q [B * q_per_seq, Hq, Dqk] (q_per_seq rows per request, request-major) over the pages of
@@ -100,11 +111,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     elif planes != 2 or width != dqk or dr != 0:
         raise ValueError(f"GQA needs a [pages, 2, Hkv, P, {dqk}] cache and v_dim {dqk}, got "
                          f"{tuple(kv_cache.shape)}, v_dim {v_dim}")
-    for name, n in (("value width", v_dim), ("rope width", dr), ("page size", page_size)):
-        if n and n & (n - 1):
-            raise ValueError(f"{name} {n} is not a power of two")
-    if page_size < 16 or v_dim < 16:
-        raise ValueError(f"page size {page_size} and value width {v_dim} must be >= 16")
+    why = shape_support(v_dim, dr, page_size)
+    if why:
+        raise ValueError(why)
     if kv_cache.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("q and the KV cache need a contiguous last dimension")
     qps, g = t // b, hq // hkv

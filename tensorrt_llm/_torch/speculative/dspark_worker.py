@@ -103,6 +103,11 @@ class DSparkWorker(Drafter):
         if self.kv is None:
             raise ValueError("bind() the worker to its KV manager before enabling CUDA graphs")
         ok, why = TritonAttention.availability(self.device)
+        if ok:
+            dc = self.drafter.config
+            widths = (dc.kv_lora_rank, dc.qk_rope_head_dim) if dc.is_mla else (dc.head_dim, 0)
+            why = TritonAttention.shape_support(*widths, self.kv.tokens_per_block)
+            ok = not why
         if not ok:
             logger.warning("draft CUDA graph disabled: %s (the draft step runs eagerly)", why)
             self.graph_backend = why

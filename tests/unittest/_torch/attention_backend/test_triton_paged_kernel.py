@@ -90,3 +90,12 @@ def test_paged_attention_rejects_bad_shapes():
         paged_attention(q, cache, table, lens, 0.3, True, 16, True)
     with pytest.raises(ValueError, match="multiple"):
         paged_attention(q[:, :5], cache, table, lens, 0.3, True, 32, False)
+
+
+def test_shape_support_names_what_the_kernel_cannot_run():
+    from tensorrt_llm._torch.attention_backend.triton_backend import TritonAttention
+    assert TritonAttention.shape_support(64, 0, 32) == ""          # the GQA drafter
+    assert TritonAttention.shape_support(512, 64, 32) == ""        # the MLA drafter's latent
+    assert "rope width 8" in TritonAttention.shape_support(32, 8, 16)
+    assert "value width 48 is not a power of two" in TritonAttention.shape_support(48, 0, 16)
+    assert "page size 8" in TritonAttention.shape_support(64, 0, 8)

@@ -126,12 +126,13 @@ def test_load_inputs_stages_one_padded_buffer():
 class _DirectGraphs:
     """Stands in for GraphCache on the CPU: a replay runs the forward (as the captured graph would)."""
 
-    num_captures = 0
-    num_replays = 0
+    def __init__(self):
+        self.entries, self.num_captures, self.num_replays = {}, 0, 0
 
     def entry(self, key, make):
-        self.e = getattr(self, "e", None) or make()
-        return self.e
+        if key not in self.entries:
+            self.entries[key] = make()
+        return self.entries[key]
 
     def replay(self, entry, forward):
         self.num_replays += 1
@@ -209,3 +210,47 @@ def test_launched_draft_step_equals_eager(tiny_llama_dir, kind):
     assert [list(c.req.draft_tokens) for c in wrong] != [list(c.req.draft_tokens) for c in ref]
     _, kv_w, wrong = _launch(tiny_llama_dir, kind, ahead=True, swap_rows=True)
     assert not torch.allclose(_committed_kv(kv_w, wrong), _committed_kv(kv_e, ref), atol=1e-3)
+
+
+def test_executor_launches_drafts_ahead_losslessly_within_owned_pages(make_llm, tiny_llama_dir, tiny_drafters,
+                                                                      monkeypatch):
+    """The executor's whole flow on the CPU (graphs stood in by direct runs, Triton's interpreter):
+    more requests than the batch, staggered max_tokens (arrivals next to verify steps, requests
+    finishing mid-block): greedy output equals no-spec token for token, most drafts are launched
+    ahead, and every page the attention kernel reads (kv_lens / P of each table row) is a real
+    page of the pool, never a BAD_PAGE_INDEX."""
+    pytest.importorskip("triton")
+    from tensorrt_llm._torch.attention_backend import triton_paged_kernel
+
+    prompts = [[5 + i, 6, 7, 8 + i, 9, 10 + 2 * i][: 3 + i % 4] for i in range(10)]
+    max_tokens = [23, 9, 31, 4, 17, 28, 12, 2, 25, 19]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
+    base = make_llm(tiny_llama_dir, max_batch_size=4)
+    want = [o.outputs[0].token_ids for o in base.generate(prompts, params)]
+
+    bad, calls = [], []
+    real = triton_paged_kernel.paged_attention
+
+    def checked(q, kv_cache, block_tables, kv_lens, *a, **k):
+        p = kv_cache.shape[3]
+        for b, n in enumerate(kv_lens.tolist()):
+            pages = block_tables[b, :-(-n // p)]
+            if bool((pages < 0).any()) or bool((pages >= kv_cache.shape[0]).any()):
+                bad.append((b, n, pages.tolist()))
+        calls.append(len(kv_lens))
+        return real(q, kv_cache, block_tables, kv_lens, *a, **k)
+    monkeypatch.setattr(triton_paged_kernel, "paged_attention", checked)
+
+    spec = {"decoding_type": "DSpark", "speculative_model": tiny_drafters["gqa"]}
+    llm = make_llm(tiny_llama_dir, max_batch_size=4, speculative_config=spec)
+    worker = llm._executor.drafter
+    k = worker.max_draft_len
+    runner = DraftGraphRunner(worker.drafter, worker.kv, TritonAttention(), worker.kv_caches, torch.device("cuda"),
+                              4, verify_tokens=k + 1, num_drafts=k)
+    runner.device = torch.device("cpu")    # built for "cuda" (its device check)
+    runner.graphs = _DirectGraphs()
+    worker.graph_runner = runner
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == want
+    assert not bad, bad[:3]
+    assert calls and runner.num_launches > 10 and runner.num_drafted > 2 * runner.num_launches
