@@ -126,7 +126,7 @@ class TorchLlmArgs(StrictBaseModel):
         default=1, ge=1,
         description="Slot grouping: while requests are generating, admit queued requests only once "
         "min(this, queued, max_batch_size) batch slots are free, so they start together in one "
-        "prefill step instead of one split step each (offline batches larger than max_batch_size). "
+        "prefill step instead of one mixed step each (offline batches larger than max_batch_size). "
         "Never waits when nothing is generating. 1 admits as soon as a slot frees.")
 
     @model_validator(mode="after")

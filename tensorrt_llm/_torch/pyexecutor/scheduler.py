@@ -10,8 +10,9 @@ then prompt chunks fill the remaining `max_num_tokens` budget (chunked prefill).
 
 Batch waiting (TensorRT-LLM's `batch_wait_timeout_iters` / `batch_wait_max_tokens_ratio`): while
 requests are generating, newly arrived requests stay in the queue for up to N schedule calls so
-that several arrivals share one prefill step; a step with a prefill segment is a split step
-(eager prefill next to the generation graph), so fewer of them is faster overall. The wait ends
+that several arrivals share one prefill step; a step with a prefill segment is a mixed step
+(piecewise graphs instead of the whole-step graph, and an eager draft for the new request), so
+fewer of them is faster overall. The wait ends
 for all held requests at once when N calls have passed since the oldest arrived, when their
 prompt tokens reach ratio x max_num_tokens, when nothing is generating (an idle engine starts at
 once), or when a prompt is already in flight (the step has a prefill segment anyway). Only
@@ -20,7 +21,7 @@ requests are then admitted by the same reserve-or-wait rule, in arrival order.
 
 Slot grouping (`batch_admit_min_slots` = k): when the batch is full of generating requests and
 more are queued (a large offline `generate`), each finishing request would let one queued request
-in, so nearly every step would be a split step with a one-request eager prefill. With k > 1, while
+in, so nearly every step would be a mixed step with a one-request prefill. With k > 1, while
 requests are generating, the queue head waits until min(k, queued, max_batch_size) batch slots
 are free and that many start together. Nothing waits when no request is generating; finishing
 requests always free slots, so the wait ends.
