@@ -40,7 +40,7 @@ from ..runtime.cuda_graph import (GraphCache, GraphEntry, batch_buckets, check_g
                                   flat_rows, owned_rows)
 from ..runtime.sampler import host_ints
 from ..runtime.step import ForwardOutput
-from ..runtime.token_rows import DraftRow, VerifyTokens
+from ..runtime.token_rows import TokenRow, VerifyTokens
 from .kv_cache.resource_manager import KVCacheManager
 
 logger = logging.getLogger("tensorrt_llm")
@@ -48,7 +48,7 @@ logger = logging.getLogger("tensorrt_llm")
 
 def gather_drafts(dst: torch.Tensor, tokens: Sequence[VerifyTokens], rows: Sequence[int]) -> None:
     """dst [bucket, q] input ids on the device: row rows[n] columns 1.. <- tokens[n]'s drafts, read
-    from their `PendingDrafts` device tensors (one copy per source when the rows are
+    from their `PendingTokens` device tensors (one copy per source when the rows are
     consecutive, else one gather), queued behind the draft step that produced them."""
     groups: dict[int, tuple[Any, list[int], list[int]]] = {}
     for j, t in zip(rows, tokens):
@@ -68,7 +68,7 @@ def gather_drafts(dst: torch.Tensor, tokens: Sequence[VerifyTokens], rows: Seque
             dst[:, 1:].index_copy_(0, host_ints(js, dev), pend.device.index_select(0, host_ints(src, dev))[:, :k])
 
 
-def gather_rows(dst: torch.Tensor, tokens: Sequence[DraftRow], rows: Sequence[int]) -> None:
+def gather_rows(dst: torch.Tensor, tokens: Sequence[TokenRow], rows: Sequence[int]) -> None:
     """dst [bucket, q] input ids on the device: row rows[n] <- tokens[n] (a whole segment still on the
     device, e.g. the overlap scheduler's previous token), queued behind the step that chose it."""
     q = dst.shape[1]
@@ -207,7 +207,7 @@ class CUDAGraphRunner:
             entry.copied.synchronize()     # the previous step's copy has left the staging buffer
         ids, pos, slot, table = entry.host_views
         lazy = [j for j, s in enumerate(segments) if isinstance(s.token_ids, VerifyTokens)]
-        rows = [j for j, s in enumerate(segments) if isinstance(s.token_ids, DraftRow)]
+        rows = [j for j, s in enumerate(segments) if isinstance(s.token_ids, TokenRow)]
         if lazy or rows:
             # device-resident tokens are gathered on the device below; here: anchors of verify
             # segments, and segments whose tokens are host lists, written whole
@@ -217,7 +217,7 @@ class CUDAGraphRunner:
                 t = seg.token_ids
                 if isinstance(t, VerifyTokens):
                     tok[j, 0] = t.anchor
-                elif not isinstance(t, DraftRow):
+                elif not isinstance(t, TokenRow):
                     tok[j] = t
         else:
             ids[:b * q] = flat_rows([s.token_ids for s in segments], b * q, "token_ids")

@@ -32,7 +32,7 @@ from ..attention_backend.interface import AttentionBackend
 from ..runtime.cuda_graph import GraphCache, GraphEntry
 from ..runtime.sampler import host_ints
 from ..runtime.step import ForwardOutput, ForwardSegment
-from ..runtime.token_rows import DraftRow, PendingDrafts, VerifyTokens
+from ..runtime.token_rows import TokenRow, PendingTokens, VerifyTokens
 from .kv_cache.resource_manager import KVCacheManager
 
 logger = logging.getLogger("tensorrt_llm")
@@ -83,7 +83,7 @@ class _Bucket:
     pieces: list[_PieceEntry] = field(default_factory=list)
 
 
-def _add_device_tokens(groups: dict, row: DraftRow, dst0: int, k: int) -> None:
+def _add_device_tokens(groups: dict, row: TokenRow, dst0: int, k: int) -> None:
     """Record that input rows dst0..dst0+k-1 take the first k ids of `row` (device-resident)."""
     pend = row.pending
     width = pend.device.shape[1]
@@ -126,7 +126,7 @@ class PiecewiseGraphRunner:
         host = b.host
         ids, pos = host[0].numpy(), host[1].numpy()
         token_offsets, logits_offsets, rows = [], [], []
-        on_device: dict[int, tuple[PendingDrafts, list[int], list[int]]] = {}
+        on_device: dict[int, tuple[PendingTokens, list[int], list[int]]] = {}
         o = 0
         for seg, k in zip(segments, lens):
             token_offsets.append(o)
@@ -135,7 +135,7 @@ class PiecewiseGraphRunner:
             if isinstance(toks, VerifyTokens):       # anchor here, drafts gathered on the device
                 ids[o] = toks.anchor
                 _add_device_tokens(on_device, toks.drafts, o + 1, k - 1)
-            elif isinstance(toks, DraftRow):         # the overlap scheduler's token, still on the device
+            elif isinstance(toks, TokenRow):         # the overlap scheduler's token, still on the device
                 _add_device_tokens(on_device, toks, o, k)
             else:
                 ids[o:o + k] = toks

@@ -23,7 +23,7 @@ import torch
 from ..runtime.llm_request import LlmRequest, RequestState
 from ..runtime.sampler import Sampler
 from ..runtime.step import DraftsAhead, ForwardOutput, ForwardSegment, StepCommit, VerifiedSegment
-from ..runtime.token_rows import PendingDrafts
+from ..runtime.token_rows import PendingTokens
 from ..speculative.interface import Drafter
 from .kv_cache.resource_manager import KVCacheManager
 from .model_engine import ModelEngine
@@ -214,7 +214,7 @@ class PyExecutor:
         """Queue this step's token choice on the device and its host copy; advance every request as
         if its token were known (its next input is the device row); then read the previous step."""
         ids = self._choose_on_device(reqs, segments, out)
-        tokens = PendingDrafts(ids.view(-1, 1)) if ids is not None else None
+        tokens = PendingTokens(ids.view(-1, 1)) if ids is not None else None
         launched, index = [], []
         for i, (req, seg) in enumerate(zip(reqs, segments)):
             req.num_computed += len(seg.token_ids)
@@ -342,7 +342,7 @@ class PyExecutor:
         n = ids.shape[0] if ids is not None else 0
         parts = [t.reshape(-1) for t in (ids, ver) if t is not None]
         # the host copy is queued before the draft launch, so reading it waits for the verify step only
-        copy = PendingDrafts(torch.cat(parts).view(1, -1)) if parts else None
+        copy = PendingTokens(torch.cat(parts).view(1, -1)) if parts else None
         ahead = None
         if ver is not None and out.captured is not None:
             segs = [VerifiedSegment(reqs[i], out.token_offsets[i], segments[i].start, len(segments[i].token_ids), j)
@@ -533,7 +533,7 @@ class _OverlapStep:
 
     reqs: list[LlmRequest]
     row_index: list[int]
-    tokens: Optional[PendingDrafts]
+    tokens: Optional[PendingTokens]
 
     def rows(self) -> list[list[int]]:
         """[token] per request, in order (waits for this step's host copy only)."""

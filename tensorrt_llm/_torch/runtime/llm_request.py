@@ -10,7 +10,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ...sampling_params import SamplingParams
-from .token_rows import DraftRow
+from .token_rows import TokenRow
 
 
 @dataclass(frozen=True)
@@ -52,12 +52,12 @@ class LlmRequest:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
-    # proposed, awaiting verification: a list, or a `DraftRow` still on the device (graph drafts)
+    # proposed, awaiting verification: a list, or a `TokenRow` still on the device (graph drafts)
     draft_tokens: Sequence[int] = field(default_factory=list)
     draft_probs: Optional[torch.Tensor] = None               # [K, V] drafter probs (T>0)
-    # overlap scheduler: the next input token while it is still on the device (a 1-token `DraftRow`
+    # overlap scheduler: the next input token while it is still on the device (a 1-token `TokenRow`
     # of the step that chose it), None once it is in output_token_ids
-    next_input: Optional[DraftRow] = None
+    next_input: Optional[TokenRow] = None
     num_verify_steps: int = 0       # speculative verify steps of this request
     num_accepted_drafts: int = 0    # drafts accepted over those steps
     # disaggregated serving: a CTX request stops after its prefill step (first token + first drafts)

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from .llm_request import LlmRequest
-from .token_rows import PendingDrafts
+from .token_rows import PendingTokens
 
 
 @dataclass
@@ -70,4 +70,4 @@ class DraftsAhead:
     -> its row of `drafts` [G, K] (the draft context of its committed tokens is written too)."""
 
     rows: dict[int, int]
-    drafts: PendingDrafts
+    drafts: PendingTokens

@@ -1,15 +1,15 @@
-"""Draft ids that stay on the device until the host needs them.
+"""Token ids that stay on the device until the host needs them.
 
-A replayed draft graph leaves its ids [B, K] on the device. The next verify step reads them
-there (`CUDAGraphRunner` gathers them into its input buffer behind the draft graph on the same
-stream), so the draft step does not wait for the drafter to finish: the host plans and stages
-the next target step while the GPU drafts. The host copy is started at once (pinned memory,
-one event) and read when the request is accepted, after the verify step's own sync, when it has
-long landed.
+Three producers leave rows of token ids on the device: the draft graph (drafts [B, K]), the
+overlap scheduler (a step's chosen tokens [B, 1]) and a verify step (its output rows, read by the
+host while the GPU drafts). `PendingTokens` starts the host copy at once (pinned memory, one
+event) without waiting; the next step reads the ids on the device (the graph runners gather them
+into their input buffers on the same stream), and the host reads them when it needs the values,
+waiting for that copy only.
 
-`DraftRow` is one request's drafts: a `Sequence[int]` whose length is known without a sync, so
+`TokenRow` is one request's row: a `Sequence[int]` whose length is known without a sync, so
 scheduling and segment building do not wait; reading a value waits for the copy.
-`VerifyTokens` is a verify segment's tokens, [anchor, d1..dK], in the same way.
+`VerifyTokens` is a verify segment's tokens, [anchor, d1..dK], with device-resident drafts.
 """
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ from typing import Iterator, Optional, Union
 import torch
 
 
-class PendingDrafts:
-    """Draft ids [B, K] of one draft step; `device` is a private copy (the graph's output buffer
-    is rewritten by its next replay), `rows()` the host values (waits for the copy once)."""
+class PendingTokens:
+    """Token ids [B, K] on the device (a private copy: a graph's output buffer is rewritten by its
+    next replay); `rows()` the host values (waits for the copy once)."""
 
     def __init__(self, device_ids: torch.Tensor):
         if device_ids.dim() != 2:
-            raise ValueError(f"draft ids must be [B, K], got shape {tuple(device_ids.shape)}")
+            raise ValueError(f"token ids must be [B, K], got shape {tuple(device_ids.shape)}")
         self.device = device_ids
         self._event: Optional[torch.cuda.Event] = None
         if device_ids.is_cuda:
@@ -48,9 +48,9 @@ class PendingDrafts:
             self._rows = self._host.tolist()
         return self._rows
 
-    def row(self, i: int, k: Optional[int] = None) -> "DraftRow":
-        """Request i's first k drafts (all K by default)."""
-        return DraftRow(self, i, self.device.shape[1] if k is None else k)
+    def row(self, i: int, k: Optional[int] = None) -> "TokenRow":
+        """Row i's first k ids (all K by default)."""
+        return TokenRow(self, i, self.device.shape[1] if k is None else k)
 
 
 class _HostInts(Sequence):
@@ -68,15 +68,15 @@ class _HostInts(Sequence):
         return iter(self.tolist())
 
 
-class DraftRow(_HostInts):
-    """Drafts [k] of row `index` of a `PendingDrafts`; reading values waits for the host copy."""
+class TokenRow(_HostInts):
+    """The first k ids of row `index` of a `PendingTokens`; reading values waits for the host copy."""
 
     __slots__ = ("pending", "index", "k")
 
-    def __init__(self, pending: PendingDrafts, index: int, k: int):
+    def __init__(self, pending: PendingTokens, index: int, k: int):
         if not 0 <= index < len(pending) or not 0 <= k <= pending.device.shape[1]:
-            raise ValueError(f"draft row {index} of {len(pending)}, {k} of "
-                             f"{pending.device.shape[1]} drafts: out of range")
+            raise ValueError(f"token row {index} of {len(pending)}, {k} of "
+                             f"{pending.device.shape[1]} ids: out of range")
         self.pending, self.index, self.k = pending, index, k
 
     def __len__(self) -> int:
@@ -86,7 +86,7 @@ class DraftRow(_HostInts):
         return self.pending.rows()[self.index][:self.k]
 
     def __repr__(self) -> str:
-        return f"DraftRow(row {self.index}, {self.k} drafts)"
+        return f"TokenRow(row {self.index}, {self.k} ids)"
 
 
 class VerifyTokens(_HostInts):
@@ -94,7 +94,7 @@ class VerifyTokens(_HostInts):
 
     __slots__ = ("anchor", "drafts", "_n")
 
-    def __init__(self, anchor: int, drafts: DraftRow):
+    def __init__(self, anchor: int, drafts: TokenRow):
         self.anchor, self.drafts, self._n = anchor, drafts, 1 + len(drafts)
 
     def __len__(self) -> int:             # asked many times per step (scheduling, graph planning)

@@ -39,7 +39,7 @@ from ..pyexecutor.kv_cache.resource_manager import KVCacheManager
 from ..runtime.cuda_graph import GraphCache, GraphEntry, batch_buckets, check_graph_support, fill_padded, owned_rows
 from ..runtime.llm_request import RequestState
 from ..runtime.step import DraftsAhead, VerifiedSegment
-from ..runtime.token_rows import PendingDrafts
+from ..runtime.token_rows import PendingTokens
 
 logger = logging.getLogger("tensorrt_llm")
 
@@ -155,7 +155,7 @@ class DraftGraphRunner:
         self.num_launches += 1
         self.num_drafted += b
         return DraftsAhead({it.req.request_id: j for j, it in enumerate(group)},
-                           PendingDrafts(draft_ids[:b].clone()))
+                           PendingTokens(draft_ids[:b].clone()))
 
     def _io_views(self, buf: torch.Tensor, bucket: int) -> tuple[torch.Tensor, ...]:
         """(ctx_pos, ctx_slots [bucket*q], starts [bucket] int64, block_tables [bucket, max_pages]

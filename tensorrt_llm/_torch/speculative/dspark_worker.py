@@ -30,7 +30,7 @@ from ..pyexecutor.kv_cache.resource_manager import KVCacheManager
 from ..runtime.llm_request import LlmRequest, RequestState
 from ..runtime.sampler import Sampler, host_ints, processed_rows
 from ..runtime.step import DraftsAhead, StepCommit, VerifiedSegment
-from ..runtime.token_rows import DraftRow, VerifyTokens
+from ..runtime.token_rows import TokenRow, VerifyTokens
 from .accept_stats import AcceptStats
 from .interface import Drafter
 from .rejection_sampler import RejectionSampler, SpecDecodeMetadata, stack_verify_rows
@@ -129,7 +129,7 @@ class DSparkWorker(Drafter):
     def verify_tokens(self, req: LlmRequest) -> Sequence[int]:
         anchor = req.token_at(req.num_computed)
         drafts = req.draft_tokens
-        if isinstance(drafts, DraftRow):   # still on the device: the graph gathers them there
+        if isinstance(drafts, TokenRow):   # still on the device: the graph gathers them there
             return VerifyTokens(anchor, drafts)
         return [anchor, *drafts]
 
@@ -152,7 +152,7 @@ class DSparkWorker(Drafter):
         """[B, k] int64 draft ids on `device` (zero past a request's own drafts): gathered there when
         they are device rows of one draft step, else sent from the host."""
         drafts = [r.draft_tokens for r in reqs]
-        if k and all(isinstance(d, DraftRow) and d.pending is drafts[0].pending and len(d) == k for d in drafts):
+        if k and all(isinstance(d, TokenRow) and d.pending is drafts[0].pending and len(d) == k for d in drafts):
             pend = drafts[0].pending
             idx = [d.index for d in drafts]
             if idx == list(range(idx[0], idx[0] + len(idx))):

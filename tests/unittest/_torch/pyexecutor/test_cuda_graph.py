@@ -165,7 +165,7 @@ def test_runner_gathers_device_drafts_into_its_inputs_on_cpu():
     from tensorrt_llm._torch.pyexecutor.kv_cache.kv_cache_spec import KVCacheSpec
     from tensorrt_llm._torch.runtime.step import ForwardSegment
     from tensorrt_llm._torch.pyexecutor.kv_cache.resource_manager import KVCacheManager
-    from tensorrt_llm._torch.runtime.token_rows import PendingDrafts, VerifyTokens
+    from tensorrt_llm._torch.runtime.token_rows import PendingTokens, VerifyTokens
 
     p, q = 16, 4
     kv = KVCacheManager([KVCacheSpec("target", "gqa", 1, 2, 1, 4, torch.float32)], 200, p, 96,
@@ -175,7 +175,7 @@ def test_runner_gathers_device_drafts_into_its_inputs_on_cpu():
     for rid in range(5):
         kv.add_sequence(rid, [1], 96)
         kv.ensure_capacity(rid, 40)
-    pend = PendingDrafts(torch.randint(0, 500, (5, q - 1)))
+    pend = PendingTokens(torch.randint(0, 500, (5, q - 1)))
     order = [3, 0, 4, 1]                      # request r takes draft row r
     segs = [ForwardSegment(r, VerifyTokens(100 + r, pend.row(r)), 10 + r, q) for r in order]
     segs.insert(2, ForwardSegment(2, [7, 8, 9, 10], 12, q))     # drafts already on the host

@@ -10,7 +10,7 @@ import torch
 
 from tensorrt_llm import SamplingParams
 from tensorrt_llm._torch.pyexecutor.cuda_graph_runner import gather_rows
-from tensorrt_llm._torch.runtime.token_rows import PendingDrafts
+from tensorrt_llm._torch.runtime.token_rows import PendingTokens
 
 
 def _cases(rng: random.Random, eos_free: list[int]) -> list[tuple[list[int], SamplingParams]]:
@@ -80,7 +80,7 @@ def test_tokens_are_read_one_step_late(tiny_llama_dir, make_llm):
 
 
 def test_gather_rows_places_device_tokens_in_graph_inputs():
-    pend = PendingDrafts(torch.tensor([[10], [11], [12], [13]]))
+    pend = PendingTokens(torch.tensor([[10], [11], [12], [13]]))
     dst = torch.zeros(6, 1, dtype=torch.long)
     gather_rows(dst, [pend.row(1, 1), pend.row(2, 1)], [0, 1])          # consecutive: one copy
     gather_rows(dst, [pend.row(3, 1), pend.row(0, 1)], [4, 2])          # any order: a gather

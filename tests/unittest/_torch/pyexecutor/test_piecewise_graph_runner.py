@@ -19,7 +19,7 @@ import torch
 
 from tensorrt_llm._torch.pyexecutor.piecewise_graph_runner import token_buckets
 from tensorrt_llm._torch.runtime.step import ForwardSegment
-from tensorrt_llm._torch.runtime.token_rows import PendingDrafts, VerifyTokens
+from tensorrt_llm._torch.runtime.token_rows import PendingTokens, VerifyTokens
 
 from test_cuda_graph import NEG_MIN, TOL, gpu, rel   # the GPU tolerances and helpers of the graph tests
 
@@ -139,8 +139,8 @@ def _neighbour_rows_differ(out, segs):
 
 def _device_tokens(segs, q, device):
     """The same step with the verify segments' drafts and the decode token held as device rows."""
-    drafts = PendingDrafts(torch.tensor([s.token_ids[1:] for s in segs if len(s.token_ids) == q], device=device))
-    last = PendingDrafts(torch.tensor([[s.token_ids[0]] for s in segs if len(s.token_ids) == 1], device=device))
+    drafts = PendingTokens(torch.tensor([s.token_ids[1:] for s in segs if len(s.token_ids) == q], device=device))
+    last = PendingTokens(torch.tensor([[s.token_ids[0]] for s in segs if len(s.token_ids) == 1], device=device))
     out, j = [], 0
     for s in segs:
         t = s.token_ids

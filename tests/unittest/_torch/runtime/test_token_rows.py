@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from tensorrt_llm._torch.pyexecutor.cuda_graph_runner import gather_drafts
-from tensorrt_llm._torch.runtime.token_rows import DraftRow, PendingDrafts, VerifyTokens
+from tensorrt_llm._torch.runtime.token_rows import TokenRow, PendingTokens, VerifyTokens
 
 
 def test_rows_lengths_and_values():
-    pend = PendingDrafts(torch.arange(12).view(3, 4))
+    pend = PendingTokens(torch.arange(12).view(3, 4))
     row = pend.row(1)
     assert len(row) == 4 and bool(row) and row.tolist() == [4, 5, 6, 7]
     assert list(row) == [4, 5, 6, 7] and row[0] == 4 and row[1:3] == [5, 6]
@@ -21,15 +21,15 @@ def test_rows_lengths_and_values():
     assert pend.rows() is pend.rows()        # read once
     for bad in ((3, 4), (0, 5), (-1, 1)):
         with pytest.raises(ValueError, match="out of range"):
-            DraftRow(pend, *bad)
+            TokenRow(pend, *bad)
     with pytest.raises(ValueError, match=r"\[B, K\]"):
-        PendingDrafts(torch.arange(4))
+        PendingTokens(torch.arange(4))
 
 
 def test_gather_drafts_matches_the_host_values_in_any_row_order():
     q, bucket = 5, 6
-    a = PendingDrafts(torch.randint(0, 1000, (4, q - 1)))
-    b = PendingDrafts(torch.randint(0, 1000, (3, q - 1)))
+    a = PendingTokens(torch.randint(0, 1000, (4, q - 1)))
+    b = PendingTokens(torch.randint(0, 1000, (3, q - 1)))
     cases = {
         "consecutive": [(0, a.row(0)), (1, a.row(1)), (2, a.row(2))],
         "permuted, two sources": [(0, a.row(3)), (2, a.row(0)), (3, b.row(2)), (5, b.row(0))],

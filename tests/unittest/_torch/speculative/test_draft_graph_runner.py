@@ -29,7 +29,7 @@ from tensorrt_llm._torch.pyexecutor.kv_cache.resource_manager import KVCacheMana
 from tensorrt_llm._torch.runtime.llm_request import LlmRequest, RequestState
 from tensorrt_llm._torch.runtime.sampler import Sampler
 from tensorrt_llm._torch.runtime.step import StepCommit, VerifiedSegment
-from tensorrt_llm._torch.runtime.token_rows import DraftRow
+from tensorrt_llm._torch.runtime.token_rows import TokenRow
 from tensorrt_llm._torch.speculative.draft_graph_runner import DraftGraphRunner
 from tensorrt_llm._torch.speculative.dspark_worker import DSparkWorker
 
@@ -200,7 +200,7 @@ def test_launched_draft_step_equals_eager(tiny_llama_dir, kind):
     _, kv_e, ref = _launch(tiny_llama_dir, kind, ahead=False)
     _, kv_a, got = _launch(tiny_llama_dir, kind, ahead=True)
     for a, b in ((x.req, y.req) for x, y in zip(ref, got)):
-        assert isinstance(b.draft_tokens, DraftRow) and len(b.draft_tokens) == Q - 1
+        assert isinstance(b.draft_tokens, TokenRow) and len(b.draft_tokens) == Q - 1
         assert list(a.draft_tokens) == list(b.draft_tokens), a.request_id
         assert kv_e.seqs[a.request_id].num_draft_valid_tokens == kv_a.seqs[b.request_id].num_draft_valid_tokens
     assert torch.allclose(_committed_kv(kv_a, got), _committed_kv(kv_e, ref), atol=1e-4)

@@ -100,10 +100,10 @@ def test_oracle_drafts_exercise_acceptance_and_stay_lossless(tiny_llama_dir, dra
 
 @pytest.mark.parametrize("rows", ["own", "rotated"])
 def test_device_resident_drafts_reach_verification(tiny_llama_dir, drafters, baseline, monkeypatch, rows):
-    """Drafts left on the device as `DraftRow`s (what the draft graph leaves) go through segment
+    """Drafts left on the device as `TokenRow`s (what the draft graph leaves) go through segment
     building, the forward and acceptance like host lists: the oracle's AL is unchanged. Rows
     rotated between requests (another request's drafts) lower it; output is lossless either way."""
-    from tensorrt_llm._torch.runtime.token_rows import DraftRow, PendingDrafts
+    from tensorrt_llm._torch.runtime.token_rows import TokenRow, PendingTokens
     from tensorrt_llm.llmapi.tokenizer import TokenizerWrapper
     tk = TokenizerWrapper(tiny_llama_dir)
     truth = {tuple(tk.encode(p)): t for p, t in zip(PROMPTS, baseline)}
@@ -117,11 +117,11 @@ def test_device_resident_drafts_reach_verification(tiny_llama_dir, drafters, bas
             k = len(req.draft_tokens)
             fut = truth[tuple(req.prompt_token_ids)][len(req.output_token_ids):][:k]
             drafts.append((list(fut) + [7] * k)[:k])
-        pend = PendingDrafts(torch.tensor(drafts, dtype=torch.long).view(len(reqs), -1))
+        pend = PendingTokens(torch.tensor(drafts, dtype=torch.long).view(len(reqs), -1))
         shift = 1 if rows == "rotated" else 0
         for j, req in enumerate(reqs):
             req.draft_tokens = pend.row((j + shift) % len(reqs))
-            seen["rows"] += isinstance(req.draft_tokens, DraftRow)
+            seen["rows"] += isinstance(req.draft_tokens, TokenRow)
     monkeypatch.setattr(DSparkWorker, "_draft_group", patched)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     toks, stats = _run(tiny_llama_dir, PROMPTS, params, speculative_config=_spec(drafters["gqa"]),
