@@ -317,14 +317,30 @@ class KVCacheManager:
     def attention_metadata(self, request_ids: Sequence[int], starts: Sequence[int], lengths: Sequence[int],
                            causal: bool) -> AttentionMetadata:
         """Metadata for packed segments (request i: positions starts[i]..starts[i]+lengths[i]-1);
-        slots beyond a request's owned pages are -1 (the write is skipped)."""
-        slots: list[int] = []
-        for rid, st, n in zip(request_ids, starts, lengths):
-            slots.extend(self.slots(rid, st, n))
+        slots beyond a request's owned pages are -1 (the write is skipped). A few numpy ops whatever
+        the batch; the tables travel from pinned memory without waiting for the GPU."""
+        rows = self.rows(request_ids)
+        lens = np.asarray(lengths, dtype=np.int64)
+        seg = np.repeat(np.arange(len(lens)), lens)                        # [T] segment of each token
+        first = np.zeros(len(lens), dtype=np.int64)
+        np.cumsum(lens[:-1], out=first[1:])
+        pos = np.asarray(starts, dtype=np.int64)[seg] + np.arange(int(lens.sum()), dtype=np.int64) - first[seg]
+        p, width = self.tokens_per_block, self._table.shape[1]
+        bi = pos // p
+        col = np.minimum(np.maximum(bi, 0), width - 1)      # == bi iff the block is inside the table
+        pages = self._table[rows[seg], col]
+        slots = pages * p + pos % p
+        slots[(pages < 0) | (bi != col)] = -1
+        n_pages = max(int(self._num_pages[rows].max()), 1) if len(rows) else 1
         return AttentionMetadata(seq_lens=list(lengths), num_cached=list(starts),
-                                 block_tables=self.block_tables(request_ids, self.device),
-                                 slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-                                 tokens_per_block=self.tokens_per_block, causal=causal)
+                                 block_tables=self._to_device(np.ascontiguousarray(self._table[rows, :n_pages])),
+                                 slot_mapping=self._to_device(slots), tokens_per_block=self.tokens_per_block,
+                                 causal=causal)
+
+    def _to_device(self, arr: np.ndarray) -> torch.Tensor:
+        """A host array on the pools' device: from pinned memory, without waiting for the GPU queue."""
+        t = torch.from_numpy(arr)
+        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
     def free(self, req_id: int) -> None:
         seq = self.seqs.pop(req_id, None)

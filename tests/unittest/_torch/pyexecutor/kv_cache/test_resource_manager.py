@@ -274,3 +274,22 @@ def test_slots_batch_and_block_tables_match_reference_on_random_state():
     table[kv.seqs[r].row, 0] += 1
     assert kv.block_tables([r]).tolist() != _ref_block_tables(kv, [r])
     assert kv.slots_batch([r], [0], 1).tolist() != [kv.slots(r, 0, 1)]
+
+
+def test_attention_metadata_matches_per_request_slots():
+    """The vectorised metadata equals the per-token reference (`slots`, per-request tables) for uneven
+    lengths, starts inside and past a request's owned pages, and one-token segments; negative
+    control: the reference of a shifted start differs."""
+    kv = manager(num_pages=40, max_seq_len=8 * P)
+    owned = {1: 3 * P, 2: P, 3: 2 * P, 4: 4 * P}
+    for rid, n in owned.items():
+        kv.add_sequence(rid, [1], 8 * P)
+        kv.ensure_capacity(rid, n)
+    rids, starts, lens = [3, 1, 4, 2], [5, 0, 3 * P + 2, P - 1], [P + 4, 2 * P, 1, 3]   # 2: past its page
+    md = kv.attention_metadata(rids, starts, lens, causal=True)
+    want = [s for r, st, n in zip(rids, starts, lens) for s in kv.slots(r, st, n)]
+    assert md.slot_mapping.tolist() == want and md.slot_mapping.dtype == torch.long
+    assert -1 in want and md.seq_lens == lens and md.num_cached == starts
+    assert torch.equal(md.block_tables, kv.block_tables(rids, CPU)) and md.block_tables.dtype == torch.int32
+    shifted = [s for r, st, n in zip(rids, starts, lens) for s in kv.slots(r, st + 1, n)]
+    assert md.slot_mapping.tolist() != shifted
