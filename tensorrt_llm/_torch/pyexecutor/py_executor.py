@@ -362,14 +362,16 @@ class PyExecutor:
 
     def _choose_on_device(self, reqs: list[LlmRequest], segments: list[ForwardSegment],
                           out: ForwardOutput) -> Optional[torch.Tensor]:
-        """Token ids [N] on the device for every logits row of `out`: the argmax, overwritten by a draw
-        on the rows of sampling requests among `reqs` (a prefix of the step's requests); None when
-        none of them wants logits (no sync either way)."""
-        if not any(seg.num_logits for seg in segments):
+        """Token ids [N] on the device for the logits rows of `reqs` (a prefix of the step's requests,
+        whose rows lead `out.logits`: outputs are packed in segment order): the argmax, overwritten
+        by a draw on the rows of sampling requests; None when none of them wants logits (no sync
+        either way). A DSpark step passes only its prompt chunks: its verify rows are the drafter's."""
+        n = sum(seg.num_logits for seg in segments)
+        if not n:
             return None
         rows = [(out.logits_offsets[i], req) for i, (req, seg) in enumerate(zip(reqs, segments))
                 if not req.sampling_params.greedy and seg.num_logits]
-        return self.sampler.choose(out.logits, [r for r, _ in rows], [q.request_id for _, q in rows],
+        return self.sampler.choose(out.logits[:n], [r for r, _ in rows], [q.request_id for _, q in rows],
                                    [q.sampling_params for _, q in rows])
 
     def _isolated(self, fn: Callable[[list], T], items: list, owner: Callable[[object], LlmRequest]) -> list[T]:
