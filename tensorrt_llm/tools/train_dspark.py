@@ -63,7 +63,7 @@ def build_drafter(cfg: DSparkTrainConfig, target_config) -> torch.nn.Module:
 def init_drafter_from(drafter: torch.nn.Module, folder: str, target) -> None:
     """Copy the weights of the drafter saved at `folder` into `drafter` (same config, strict)."""
     from .._torch.models.modeling_dspark import load_drafter
-    src = load_drafter(folder, target.config, torch.float32, torch.device("cpu"))
+    src = load_drafter(folder, target.config, torch.float32, torch.device("cpu"), for_inference=False)
     want, got = drafter.config.to_dict(), src.config.to_dict()
     diff = {k: (got.get(k), want.get(k)) for k in sorted(set(want) | set(got)) if want.get(k) != got.get(k)}
     if diff:

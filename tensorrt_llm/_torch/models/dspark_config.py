@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from ..modules.fp8_block import FP8BlockQuantConfig
 from .checkpoint import require
 
 
@@ -89,6 +90,8 @@ class DSparkModelConfig:
     num_target_hidden: int
     markov_rank: int
     shift_label: bool
+    # `quant_config` of config.json: FP8 (e4m3) block-scaled projections, quantized at load
+    quant_config: Optional[FP8BlockQuantConfig] = None
 
     @property
     def is_mla(self) -> bool:
@@ -199,6 +202,8 @@ class DSparkModelConfig:
             target_layer_ids=_int_list(ds, "target_layer_ids", dsrc),
             num_target_hidden=require(ds, "num_target_hidden", dsrc),
             markov_rank=markov_rank, shift_label=shift_label,
+            quant_config=(FP8BlockQuantConfig.from_dict(cfg["quant_config"], source)
+                          if cfg.get("quant_config") is not None else None),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -226,4 +231,8 @@ class DSparkModelConfig:
             "num_target_hidden": self.num_target_hidden, "markov_rank": self.markov_rank,
             "shift_label": self.shift_label,
         }
+        if self.quant_config is not None:
+            out["quant_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                   "scale_fmt": "ue8m0",
+                                   "weight_block_size": list(self.quant_config.weight_block_size)}
         return out

@@ -26,6 +26,7 @@ from torch import nn
 
 from ..attention_backend.interface import AttentionBackend, AttentionMetadata, write_slots
 from ..modules.attention import Attention
+from ..modules.fp8_block import FP8BlockLinear
 from ..modules.gated_mlp import GatedMLP
 from ..modules.mla import MLAAttention
 from ..modules.rms_norm import RMSNorm
@@ -108,6 +109,24 @@ class DSparkForCausalLMBase(nn.Module, ABC):
     def kv_cache_layout(self) -> DraftKVLayout:
         """Layout of the draft KV pool (per layer and token), as the target's `kv_cache_layout`."""
 
+    # ---- after loading ------------------------------------------------------------------
+    def post_load_weights(self) -> None:
+        """Once after the weights are loaded and placed, before any graph is captured: MLA layers
+        keep their per-head W_UK / W_UV contiguous (the absorbed attention reads them every step),
+        and with `quant_config` the projections (fc and every layer's linear layers, except MLA's
+        kv_b_proj, which the absorbed path reads as W_UK / W_UV) become FP8 block-scaled."""
+        qc = self.config.quant_config
+        for layer in self.layers:
+            if isinstance(layer.self_attn, MLAAttention):
+                layer.self_attn.post_load_weights()
+            if qc is not None:
+                for parent in list(layer.modules()):
+                    for name, child in list(parent.named_children()):
+                        if isinstance(child, nn.Linear) and name != "kv_b_proj":
+                            setattr(parent, name, FP8BlockLinear.from_linear(child, qc))
+        if qc is not None:
+            self.fc = FP8BlockLinear.from_linear(self.fc, qc)
+
     # ---- target binding -----------------------------------------------------------------
     def bind_target(self, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
         """Share the target's (frozen) embedding and lm_head by reference."""
@@ -128,7 +147,7 @@ class DSparkForCausalLMBase(nn.Module, ABC):
         if target_hidden.shape[-1] != self.config.fc_in_features:
             raise ValueError(f"target hidden width {target_hidden.shape[-1]} != "
                              f"{len(self.config.target_layer_ids)} x {self.config.num_target_hidden}")
-        return self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
+        return self.hidden_norm(self.fc(target_hidden.to(self.hidden_norm.weight.dtype)))
 
     def write_context(self, features: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                       kv_caches: Sequence[torch.Tensor], backend: AttentionBackend,
@@ -351,13 +370,15 @@ def check_against_target(cfg: DSparkModelConfig, target: LlamaConfig, source: st
 
 def load_drafter(folder: str | Path, target_config: LlamaConfig, dtype: torch.dtype, device: torch.device,
                  overrides: Optional[Mapping[str, Any]] = None,
-                 max_positions: Optional[int] = None) -> DSparkForCausalLMBase:
+                 max_positions: Optional[int] = None, for_inference: bool = True) -> DSparkForCausalLMBase:
     """Build the drafter named by `folder/config.json` and load its weights strictly.
 
     overrides: dspark_config keys to replace (e.g. mask_token_id, target_layer_ids from
     DSparkDecodingConfig); None values are skipped. The caller binds the target afterwards.
     max_positions: rope positions the engine may reach (the target's table: max_seq_len plus the
     draft lookahead), when more than either config's max_position_embeddings.
+    for_inference: run `post_load_weights` (derived weights, FP8 quantization per quant_config);
+    False keeps exactly the checkpoint's parameters (a training init).
     """
     source = str(Path(folder) / "config.json")
     cfg_dict = read_config(folder)
@@ -372,4 +393,7 @@ def load_drafter(folder: str | Path, target_config: LlamaConfig, dtype: torch.dt
     max_pos = max(cfg.max_position_embeddings, target_config.max_position_embeddings, max_positions or 0)
     model = DRAFTER_REGISTRY[cfg.architecture](cfg, max_pos)
     model.load_checkpoint_state(read_safetensors(folder), str(folder))
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    if for_inference:
+        model.post_load_weights()
+    return model

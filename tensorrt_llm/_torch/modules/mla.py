@@ -74,6 +74,9 @@ class MLAAttention(nn.Module):
         self.rotary = rotary
         self.scale = mla_softmax_scale(qk_nope_head_dim, qk_rope_head_dim, rope_scaling)
         self.absorb = absorb
+        # contiguous W_UK / W_UV, set by post_load_weights (not in the state dict; follow .to())
+        self.register_buffer("w_uk", None, persistent=False)
+        self.register_buffer("w_uv", None, persistent=False)
 
     # ---- projections -------------------------------------------------------------------
     def project_latent(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -93,10 +96,21 @@ class MLAAttention(nn.Module):
         return q_nope, self.rotary(q_pe, positions)
 
     def w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """kv_b_proj split per head: W_UK [H, nope, R], W_UV [H, v_head_dim, R]."""
+        """kv_b_proj split per head: W_UK [H, nope, R], W_UV [H, v_head_dim, R] (the contiguous copies
+        `post_load_weights` made, else views of kv_b_proj)."""
+        if self.w_uk is not None:
+            return self.w_uk, self.w_uv
         w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim,
                                        self.kv_lora_rank)
         return w[:, :self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]
+
+    def post_load_weights(self) -> None:
+        """Keep W_UK / W_UV as contiguous buffers (not in the state dict; they follow `.to()`), so the
+        absorbed attention does not re-slice kv_b_proj every step. Call after loading, for inference."""
+        w = self.kv_b_proj.weight.detach().view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim,
+                                                self.kv_lora_rank)
+        self.w_uk = w[:, :self.qk_nope_head_dim].contiguous()
+        self.w_uv = w[:, self.qk_nope_head_dim:].contiguous()
 
     # ---- attention ---------------------------------------------------------------------
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
