@@ -48,6 +48,7 @@ def _wrap_timers(ex, timers: dict) -> None:
     timed(ex.engine, "forward", "forward")
     if ex.drafter is not None:
         timed(ex.drafter, "draft", "draft")
+        timed(ex.drafter, "draft_ahead", "draft_ahead")   # inside _choose_tokens
     timed(ex, "step", "step")
 
 
@@ -103,6 +104,7 @@ def profile_arm(model: str, drafter: str | None, batch: int, max_tokens: int, pr
     phases = {k: 1000 * timers[k] / max(timers["n_step"], 1)
               for k in ("build_segments", "forward", "choose_tokens", "update_requests", "launch_overlapped", "draft")}
     phases["step_other"] = step_ms - sum(phases.values())
+    phases["draft_ahead_in_choose_tokens"] = 1000 * timers["draft_ahead"] / max(timers["n_step"], 1)
     res = {"arm": name, "batch": batch, "max_tokens": max_tokens, "wall_s": wall, "steps": steps,
            "tok_per_s": toks / wall, "ms_per_step": 1000 * wall / max(steps, 1),
            "step_ms_inside_step": step_ms, "phase_ms_per_step": phases,
