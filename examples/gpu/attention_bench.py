@@ -1,0 +1,125 @@
+"""H200: microseconds per call of the TRITON (plan-free) and FLASHINFER paged attention at the
+engine's shapes, and of FP8BlockLinear against a bf16 linear at the drafter's projection shapes.
+
+Shapes (SmolLM2-135M target, the shipped drafters, page 32, context ~ the MT-Bench median):
+  target decode   : B x 1 query,  9 q heads / 3 KV heads x 64, causal
+  target verify   : B x 9 queries, same heads, causal
+  GQA draft block : B x 8 queries, 16 / 16 heads x 64, non-causal
+  MLA draft block : B x 8 queries, 16 heads over one 576-wide latent (512 value), non-causal
+Per shape and batch (1 and 64): CUDA-event time of a CUDA graph of 20 calls (so launch cost is
+excluded), median of 5 replays; FLASHINFER's plan is made once outside the timing, and its host
+plan time per call is reported separately. Prints a table; --json writes it.
+
+    . examples/gpu/device_setup.sh && python3 examples/gpu/attention_bench.py --json $OUT/attn.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from tensorrt_llm._torch.attention_backend.flashinfer_backend import FlashInferAttention
+from tensorrt_llm._torch.attention_backend.interface import AttentionMetadata
+from tensorrt_llm._torch.attention_backend.triton_backend import TritonAttention
+from tensorrt_llm._torch.modules.fp8_block import FP8BlockLinear, FP8BlockQuantConfig
+
+P = 32
+SHAPES = {  # name: (queries per request, q heads, kv heads, head dim, mla, causal)
+    "target_decode": (1, 9, 3, 64, False, True),
+    "target_verify": (9, 9, 3, 64, False, True),
+    "gqa_draft_block": (8, 16, 16, 64, False, False),
+    "mla_draft_block": (8, 16, 1, 576, True, False),
+}
+
+
+def _graph_us(fn, calls: int = 20, reps: int = 5) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / calls)
+    return statistics.median(times)
+
+
+def _case(name: str, batch: int, ctx: int, dev: torch.device) -> dict:
+    qps, hq, hkv, d, mla, causal = SHAPES[name]
+    pages_per = -(-(ctx + qps) // P)
+    n_pages = batch * pages_per + 1
+    planes, heads, width = (1, 1, d) if mla else (2, hkv, d)
+    cache = torch.randn(n_pages, planes, heads, P, width, device=dev, dtype=torch.bfloat16)
+    table = torch.arange(batch * pages_per, device=dev, dtype=torch.int32).view(batch, pages_per)
+    t = batch * qps
+    slots = (table.long()[:, -1:] * P + (ctx % P)).repeat(1, qps).view(-1).clamp(max=n_pages * P - 1)
+    md_args = dict(seq_lens=[qps] * batch, num_cached=[ctx] * batch, block_tables=table, slot_mapping=slots,
+                   tokens_per_block=P, causal=causal)
+    q = torch.randn(t, hq, d, device=dev, dtype=torch.bfloat16)
+    v_dim = 512 if mla else d
+    out = {}
+    for label, backend in (("triton", TritonAttention()), ("flashinfer", FlashInferAttention())):
+        md = AttentionMetadata(**md_args, graph_shape=(batch, qps, pages_per),
+                               kv_lens_device=torch.full((batch,), ctx + qps, dtype=torch.int32, device=dev))
+        t0 = time.perf_counter()
+        backend.prepare(md)
+        plan_us = (time.perf_counter() - t0) * 1e6
+        if mla:
+            lat = torch.randn(t, d, device=dev, dtype=torch.bfloat16)
+            fn = lambda b=backend, m=md: b.forward_mla(q, lat, cache, m, 0.1, v_dim)   # noqa: E731
+        else:
+            kk = torch.randn(t, hkv, d, device=dev, dtype=torch.bfloat16)
+            fn = lambda b=backend, m=md: b.forward(q, kk, kk, cache, m, 0.1)           # noqa: E731
+        fn()                                  # plans (flashinfer) and compiles (triton) outside the graph
+        torch.cuda.synchronize()
+        out[label] = {"us_per_call": round(_graph_us(fn), 2), "host_prepare_us": round(plan_us, 1)}
+    return out
+
+
+def _linear_case(n: int, k: int, tokens: int, dev: torch.device) -> dict:
+    lin = torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
+    fp8 = FP8BlockLinear.from_linear(lin, FP8BlockQuantConfig())
+    x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)
+    return {"bf16_us": round(_graph_us(lambda: lin(x)), 2), "fp8_reference_us": round(_graph_us(lambda: fp8(x)), 2)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--ctx", type=int, default=400, help="cached tokens per request")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    rows = []
+    for name in SHAPES:
+        for b in a.batch:
+            r = {"shape": name, "batch": b, "ctx": a.ctx, **_case(name, b, a.ctx, dev)}
+            rows.append(r)
+            print(f"{name:16s} B={b:3d}  triton {r['triton']['us_per_call']:8.2f} us   flashinfer "
+                  f"{r['flashinfer']['us_per_call']:8.2f} us (host prepare {r['flashinfer']['host_prepare_us']:.0f} us)",
+                  flush=True)
+    for n, k in ((576, 576), (384 * 2, 576), (576, 2880)):   # q/o, gate+up, fc (5 x 576 -> 576)
+        for t in (8, 512):
+            r = {"linear": f"{n}x{k}", "tokens": t, **_linear_case(n, k, t, dev)}
+            rows.append(r)
+            print(f"linear {n}x{k} T={t:4d}  bf16 {r['bf16_us']:7.2f} us   fp8 reference {r['fp8_reference_us']:7.2f} us",
+                  flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"rows": rows, "gpu": torch.cuda.get_device_name()}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
