@@ -9,9 +9,15 @@ With ``static_cache`` (default: on CUDA) ``generate`` uses ``cache_implementatio
 for which transformers compiles the decode step with ``torch.compile`` on CUDA; batches are
 then padded to a multiple of 64 tokens so only a few shapes get compiled. transformers is
 imported inside, so the rest of the bench does not need it.
+
+`HFProcess` runs an `HFBaseline` in a child process (the side-by-side driver's HF arm): its
+`torch.compile` CUDA-graph trees clear cuBLAS workspaces process-wide whenever they record, and
+the memory of a workspace that an engine's captured graph still uses can then be handed out
+again; a separate process keeps the two apart (same GPU, never at the same time).
 """
 from __future__ import annotations
 
+import multiprocessing
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -111,3 +117,77 @@ def run_hf_baseline(model_dir: Union[str, Path], prompts: Sequence[Sequence[int]
     """Load ``model_dir`` once and return one ``HFBaseline.run`` result per batch size."""
     hf = HFBaseline(model_dir, device, dtype, static_cache)
     return [hf.run(prompts, bs, max_new_tokens) for bs in batch_sizes]
+
+
+class HFProcess:
+    """`HFBaseline` in a spawned child process: `generate` and `run` as on the baseline (ids come
+    back as lists); every call waits at most `timeout_s`; `close` ends the child."""
+
+    def __init__(self, model_dir: Union[str, Path], device: Optional[str] = None, dtype: str = "auto",
+                 static_cache: Optional[bool] = None, timeout_s: float = 1800.0):
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.timeout_s = timeout_s
+        self._proc = ctx.Process(target=_serve_hf, args=(child, str(model_dir), device, dtype, static_cache),
+                                 name="hf-baseline", daemon=True)
+        self._proc.start()
+        child.close()
+        self._reply("loading the HF model")
+
+    def _reply(self, what: str) -> Any:
+        if not self._conn.poll(self.timeout_s):
+            self.close()
+            raise RuntimeError(f"HF baseline process: no answer within {self.timeout_s:.0f} s ({what})")
+        try:
+            status, value = self._conn.recv()
+        except EOFError as e:
+            raise RuntimeError(f"HF baseline process exited ({what}; exit code {self._proc.exitcode})") from e
+        if status != "ok":
+            raise RuntimeError(f"HF baseline process failed ({what}): {value}")
+        return value
+
+    def generate(self, batch: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        self._conn.send(("generate", ([list(p) for p in batch], max_new_tokens)))
+        return self._reply("generate")
+
+    def run(self, prompts: Sequence[Sequence[int]], batch_size: int, max_new_tokens: int) -> dict[str, Any]:
+        self._conn.send(("run", ([list(p) for p in prompts], batch_size, max_new_tokens)))
+        return self._reply("run")
+
+    def close(self) -> None:
+        if self._proc.is_alive():
+            try:
+                self._conn.send(("close", ()))
+            except (BrokenPipeError, OSError):
+                pass
+            self._proc.join(timeout=30)
+            if self._proc.is_alive():
+                self._proc.terminate()
+                self._proc.join(timeout=10)
+        self._conn.close()
+
+
+def _serve_hf(conn, model_dir: str, device: Optional[str], dtype: str, static_cache: Optional[bool]) -> None:
+    """The child of `HFProcess`: load, answer ("ok", value) or ("error", message) per request."""
+    try:
+        hf = HFBaseline(model_dir, device, dtype, static_cache)
+    except Exception as e:   # reported to the parent, which raises
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ok", None))
+    while True:
+        try:
+            op, args = conn.recv()
+        except EOFError:
+            return
+        if op == "close":
+            return
+        try:
+            if op == "generate":
+                conn.send(("ok", hf.generate(*args).tolist()))
+            elif op == "run":
+                conn.send(("ok", hf.run(*args)))
+            else:
+                conn.send(("error", f"unknown request {op!r}"))
+        except Exception as e:
+            conn.send(("error", f"{type(e).__name__}: {e}"))

@@ -9,8 +9,8 @@ An arm is ``NAME=hf`` (HF transformers ``generate``, static cache + torch.compil
 inline YAML mapping (``'{attn_backend: FLASHINFER, use_cuda_graph: true}'``). Every arm is built once
 and kept: engine arms are warmed up at every concurrency level before the first round. Round r runs
 the arms in the order rotated by r (round 0: a b c, round 1: b c a, ...) and, per arm, every
-concurrency level with ``benchmark.run_concurrency`` (HF: ``HFBaseline.run``, batch = C). Level C
-runs max(waves x C, min_requests) requests (prompts cycled), so batch 1 is measured on
+concurrency level with ``benchmark.run_concurrency`` (HF: ``HFBaseline.run`` in its own process,
+``HFProcess``; batch = C). Level C runs max(waves x C, min_requests) requests (prompts cycled), so batch 1 is measured on
 ``min_requests`` requests. The HF arm reuses the token ids of the first engine arm (chat template
 applied by the engine's tokenizer), so every arm sees the same prompts.
 
@@ -269,11 +269,11 @@ def run_sidebyside(args: argparse.Namespace, arms: Sequence[Arm], report_cb=None
                         max_tokens=min(args.max_tokens, args.warmup_tokens), ignore_eos=True, temperature=0.0))
                 mark(f"built + warmed {arm.name}")
             for arm in arms:
-                if arm.is_hf:
-                    from .hf_baseline import HFBaseline
+                if arm.is_hf:   # its own process: no torch.compile state next to the engines' graphs
+                    from .hf_baseline import HFProcess
                     first = next(iter(engines.values()))
-                    hf_models[arm.name] = HFBaseline(args.model, device=first.llm.capacity_report["device"],
-                                                     dtype=first.args.dtype, static_cache=args.hf_static_cache)
+                    hf_models[arm.name] = HFProcess(args.model, device=first.llm.capacity_report["device"],
+                                                    dtype=first.args.dtype, static_cache=args.hf_static_cache)
                     for c in args.concurrency:   # compiles the static-cache step per batch shape
                         hf_models[arm.name].generate(level_requests(prompts, c, 1, 1)[:c], args.max_tokens)
                     mark(f"loaded + warmed {arm.name}")
@@ -305,6 +305,8 @@ def run_sidebyside(args: argparse.Namespace, arms: Sequence[Arm], report_cb=None
             for eng in engines.values():
                 eng.close()
             engines.clear()
+            for hf in hf_models.values():
+                hf.close()
             hf_models.clear()
             gc.collect()
             if torch.cuda.is_available():
