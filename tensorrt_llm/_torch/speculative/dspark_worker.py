@@ -30,7 +30,7 @@ from ..pyexecutor.kv_cache.resource_manager import KVCacheManager
 from ..runtime.llm_request import LlmRequest, RequestState
 from ..runtime.sampler import Sampler, host_ints, processed_rows
 from ..runtime.step import DraftsAhead, StepCommit, VerifiedSegment
-from ..runtime.token_rows import TokenRow, VerifyTokens
+from ..runtime.token_rows import PendingTokens, TokenRow, VerifyTokens
 from .accept_stats import AcceptStats
 from .interface import Drafter
 from .rejection_sampler import RejectionSampler, SpecDecodeMetadata, stack_verify_rows
@@ -149,8 +149,9 @@ class DSparkWorker(Drafter):
 
     @staticmethod
     def _draft_ids(reqs: Sequence[LlmRequest], k: int, device: torch.device) -> torch.Tensor:
-        """[B, k] int64 draft ids on `device` (zero past a request's own drafts): gathered there when
-        they are device rows of one draft step, else sent from the host."""
+        """[B, k] int64 draft ids on `device` (entries past a request's own drafts are don't-cares):
+        rows still on the device (`TokenRow`s of one or more draft steps) are gathered there, never
+        waited for; host lists are sent in one pinned copy."""
         drafts = [r.draft_tokens for r in reqs]
         if k and all(isinstance(d, TokenRow) and d.pending is drafts[0].pending and len(d) == k for d in drafts):
             pend = drafts[0].pending
@@ -158,8 +159,22 @@ class DSparkWorker(Drafter):
             if idx == list(range(idx[0], idx[0] + len(idx))):
                 return pend.device[idx[0]:idx[0] + len(idx), :k]
             return pend.device.index_select(0, host_ints(idx, device))[:, :k]
-        flat = [t for d in drafts for t in list(d) + [0] * (k - len(d))]
-        return host_ints(flat, device).view(len(reqs), k)
+        groups: dict[int, tuple[PendingTokens, list[int], list[int]]] = {}
+        flat: list[int] = []
+        for j, d in enumerate(drafts):
+            if isinstance(d, TokenRow):
+                g = groups.setdefault(id(d.pending), (d.pending, [], []))
+                g[1].append(j)
+                g[2].append(d.index)
+                flat.extend([0] * k)
+            else:
+                flat.extend(list(d) + [0] * (k - len(d)))
+        out = host_ints(flat, device).view(len(reqs), k)
+        for pend, rows, idx in groups.values():
+            w = min(k, pend.device.shape[1])
+            out[:, :w].index_copy_(0, host_ints(rows, device),
+                                   pend.device.index_select(0, host_ints(idx, device))[:, :w])
+        return out
 
     def accept(self, req: LlmRequest, verified: Sequence[int]) -> list[int]:
         # A greedy request keeps all K drafts near max_tokens (so its verify segment keeps the
@@ -296,12 +311,13 @@ class DSparkWorker(Drafter):
             return out
 
         draft_ids, _ = self.drafter.propose(hidden, anchors, k_max, pick)
-        draft_ids = draft_ids.tolist()
+        # the drafts stay on the device (no wait here); their host copy is under way
+        pending = PendingTokens(draft_ids)
         q_all = torch.stack(slot_probs, 1) if slot_probs else None   # [len(sampled), k_max, V]
         row_of = {i: j for j, i in enumerate(sampled)}
         for i, req in enumerate(reqs):
             k = min(k_max, self._draft_limit(req))
-            req.draft_tokens = draft_ids[i][:k]
+            req.draft_tokens = pending.row(i, k)
             req.draft_probs = q_all[row_of[i], :k] if i in row_of else None
 
     def _draft_limit(self, req: LlmRequest) -> int:

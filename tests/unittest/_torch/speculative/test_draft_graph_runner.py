@@ -254,3 +254,21 @@ def test_executor_launches_drafts_ahead_losslessly_within_owned_pages(make_llm, 
     assert got == want
     assert not bad, bad[:3]
     assert calls and runner.num_launches > 10 and runner.num_drafted > 2 * runner.num_launches
+
+
+def test_verify_gathers_draft_rows_of_several_steps_on_the_device(monkeypatch):
+    """The verify step's draft ids: rows of two draft steps (a launched graph and an eager group)
+    and a host list together; rows are gathered from their device tensors, never read on the host."""
+    from tensorrt_llm._torch.runtime.token_rows import PendingTokens
+    a = PendingTokens(torch.tensor([[1, 2, 3], [4, 5, 6]]))
+    b = PendingTokens(torch.tensor([[7, 8], [9, 10], [11, 12]]))
+    reqs = [SimpleNamespace(draft_tokens=d) for d in (a.row(1), [20, 21], b.row(2), a.row(0, 2))]
+
+    def no_host_read(self):
+        raise AssertionError("a draft row was read on the host")
+    monkeypatch.setattr(PendingTokens, "rows", no_host_read)
+    ids = DSparkWorker._draft_ids(reqs, 3, torch.device("cpu"))
+    got = [row[:len(r.draft_tokens)] for row, r in zip(ids.tolist(), reqs)]
+    assert got == [[4, 5, 6], [20, 21], [11, 12], [1, 2]]
+    with pytest.raises(AssertionError, match="read on the host"):     # control: reading a row does
+        list(reqs[0].draft_tokens)
