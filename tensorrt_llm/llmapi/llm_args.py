@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-AttentionBackendName = Literal["AUTO", "VANILLA", "FLASHINFER"]   # resolver.KNOWN_BACKENDS + AUTO
+AttentionBackendName = Literal["AUTO", "VANILLA", "FLASHINFER", "TRITON"]   # resolver.KNOWN_BACKENDS + AUTO
 KvDtypeName = Literal["auto", "bfloat16", "float16", "float32", "fp8"]
 ModelDtypeName = Literal["auto", "bfloat16", "float16", "float32"]
 PathStr = Annotated[str, AfterValidator(os.path.expanduser)]     # a file or folder path; `~` expanded

@@ -2,12 +2,14 @@
 
 CPU -> VANILLA. CUDA + MLA drafter -> FLASHINFER's absorbed-MLA paged decode, which
 never degrades (a clear error names what is missing). CUDA + GQA -> FLASHINFER ->
-VANILLA, degrading with a logged reason. An explicit choice that cannot run raises;
-an unknown name raises (listing the known ones).
+VANILLA, degrading with a logged reason. TRITON (plan-free, lengths on the device) is an
+explicit choice only. An explicit choice that cannot run raises; an unknown name raises
+(listing the known ones).
 """
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -18,7 +20,7 @@ from .interface import AttentionBackend
 
 logger = logging.getLogger("tensorrt_llm")
 
-KNOWN_BACKENDS = ("VANILLA", "FLASHINFER")   # every one has a loader in _LOADERS
+KNOWN_BACKENDS = ("VANILLA", "FLASHINFER", "TRITON")   # every one has a loader in _LOADERS
 
 
 def _load_vanilla() -> type[AttentionBackend]:
@@ -31,6 +33,11 @@ def _load_flashinfer() -> type[AttentionBackend]:
     return mod.FlashInferAttention
 
 
+def _load_triton() -> type[AttentionBackend]:
+    from .triton_backend import TritonAttention
+    return TritonAttention
+
+
 @dataclass(frozen=True)
 class Probe:
     """Environment facts the resolver decides on (mockable in tests)."""
@@ -39,6 +46,7 @@ class Probe:
     sm: int                      # compute capability major*10+minor (0 on CPU)
     flashinfer_importable: bool
     flashinfer_error: str = ""
+    triton_importable: bool = False
 
 
 def probe_environment(device: torch.device) -> Probe:
@@ -51,7 +59,7 @@ def probe_environment(device: torch.device) -> Probe:
         ok, err = True, ""
     except Exception as e:  # ImportError or a broken install
         ok, err = False, f"{type(e).__name__}: {e}"
-    return Probe(device.type, sm, ok, err)
+    return Probe(device.type, sm, ok, err, importlib.util.find_spec("triton") is not None)
 
 
 def _why_unavailable(name: str, probe: Probe, mla: bool) -> str:
@@ -67,11 +75,15 @@ def _why_unavailable(name: str, probe: Probe, mla: bool) -> str:
         if mla and probe.sm < 80:
             return f"flashinfer MLA paged decode needs sm80+, device is sm{probe.sm}"
         return ""
+    if name == "TRITON":
+        if not probe.triton_importable:
+            return "triton is not importable (it ships with torch's CUDA wheels)"
+        return ""
     raise ValueError(f"unknown attention backend {name!r}; known: AUTO, {', '.join(KNOWN_BACKENDS)}")
 
 
 _LOADERS: dict[str, Callable[[], type[AttentionBackend]]] = {
-    "VANILLA": _load_vanilla, "FLASHINFER": _load_flashinfer}
+    "VANILLA": _load_vanilla, "FLASHINFER": _load_flashinfer, "TRITON": _load_triton}
 
 
 @dataclass(frozen=True)

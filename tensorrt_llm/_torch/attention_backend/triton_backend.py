@@ -1,10 +1,15 @@
 """TRITON attention: plan-free paged attention whose KV lengths are read on the device (CUDA only).
 
-Used where the lengths are only known on the GPU: the DSpark draft step launched from the
-verify step's device-side acceptance (`DraftGraphRunner`), captured in a CUDA graph. Every
-request of a call has the same number of query rows (a decode / verify / draft-block shape).
-New K/V (latents) are written first at `md.slot_mapping`, which must hold no -1 (no host sync).
-triton is imported inside methods, so this module imports on a CPU-only install.
+No plan is made on the host: lengths, and for ragged steps the query offsets, are device tensors
+the kernel reads (`triton_paged_kernel`). Two uses:
+* the DSpark draft graph, launched from the verify step's device-side acceptance: the graph
+  computes `md.kv_lens_device` itself (`DraftGraphRunner`);
+* any step when chosen as the engine's `attn_backend: TRITON` (an explicit choice; AUTO does
+  not pick it): `prepare` sends the host lengths with one non-blocking copy (into a persistent
+  tensor for a captured graph's metadata), and ragged steps (prompt chunks) carry `qo_indptr`.
+New K/V (latents) are written first at `md.slot_mapping`; a step with -1 slots (writes beyond a
+request's pages, skipped) is found once in `prepare`. triton is imported inside methods, so this
+module imports on a CPU-only install.
 """
 from __future__ import annotations
 
@@ -13,11 +18,19 @@ import importlib.util
 import torch
 
 from .flashinfer_backend import cache_write_rows, scatter_rows
-from .interface import AttentionBackend, AttentionMetadata, BackendCapabilities
+from .interface import AttentionBackend, AttentionMetadata, BackendCapabilities, write_slots
+
+LENS_KEY, QO_KEY, VALID_KEY = "triton_kv_lens", "triton_qo_indptr", "triton_slots_valid"
+
+
+def _host_to(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host ints -> a tensor on `device`, from pinned memory without waiting for the GPU queue."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 class TritonAttention(AttentionBackend):
-    """GQA and absorbed MLA over pages with lengths from `md.kv_lens_device` (no plan, graph-safe)."""
+    """GQA and absorbed MLA over pages with lengths read on the device (no plan, graph-safe)."""
 
     name = "TRITON"
     capabilities = BackendCapabilities(paged=True, mla=True, non_causal_block=True, sliding_window=False,
@@ -38,23 +51,50 @@ class TritonAttention(AttentionBackend):
         return shape_support(v_dim, rope_dim, page_size)
 
     def prepare(self, metadata: AttentionMetadata) -> None:
-        if metadata.kv_lens_device is None:
-            raise ValueError("attention backend TRITON needs md.kv_lens_device (the KV lengths on the device)")
-        if metadata.sliding_window is not None:
+        """Device lengths (unless the caller computed `kv_lens_device` on the GPU), the ragged query
+        offsets, and whether every slot is written (into metadata.extras)."""
+        md = metadata
+        if md.sliding_window is not None:
             raise ValueError("attention backend TRITON does not support sliding windows")
+        dev = md.block_tables.device
+        if md.kv_lens_device is None:
+            lens = _host_to(md.kv_lens, torch.int32, dev)
+            kept = md.extras.get(LENS_KEY)
+            if md.graph_shape is not None and kept is not None:
+                kept.copy_(lens, non_blocking=True)    # a captured graph reads this tensor
+            else:
+                md.extras[LENS_KEY] = lens
+        if len(set(md.seq_lens)) > 1:
+            qo = [0]
+            for n in md.seq_lens:
+                qo.append(qo[-1] + n)
+            md.extras[QO_KEY] = _host_to(qo, torch.int32, dev)
+        else:
+            md.extras.pop(QO_KEY, None)
+        md.extras[VALID_KEY] = md.graph_shape is not None or not bool((md.slot_mapping < 0).any())
+
+    def _extras(self, md: AttentionMetadata) -> dict:
+        if VALID_KEY not in md.extras:
+            self.prepare(md)
+        return md.extras
 
     def _write(self, kv_cache: torch.Tensor, plane: int, values: torch.Tensor, md: AttentionMetadata) -> None:
+        if not self._extras(md)[VALID_KEY]:
+            write_slots(kv_cache[:, plane], values, md.slot_mapping)
+            return
         _, planes, h, p, _ = kv_cache.shape
         scatter_rows(kv_cache, cache_write_rows(md.slot_mapping, planes, h, p, plane), values)
 
     def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float,
                 v_dim: int, mla: bool) -> torch.Tensor:
         from .triton_paged_kernel import paged_attention
-        self.prepare(md)
         if kv_cache.dtype != q.dtype:
             raise ValueError(f"TRITON needs the KV cache in the query dtype ({q.dtype}), got {kv_cache.dtype}")
-        return paged_attention(q.contiguous(), kv_cache, md.block_tables, md.kv_lens_device, scale, md.causal,
-                               v_dim, mla)
+        ex = self._extras(md)
+        lens = md.kv_lens_device if md.kv_lens_device is not None else ex[LENS_KEY]
+        qo = ex.get(QO_KEY)
+        return paged_attention(q.contiguous(), kv_cache, md.block_tables, lens, scale, md.causal, v_dim, mla,
+                               qo_indptr=qo, max_q=max(md.seq_lens) if qo is not None else 0)
 
     def forward(self, q, k, v, kv_cache, metadata, scale):
         """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: [num_pages, 2, Hkv, P, D] -> [T, Hq, D]."""

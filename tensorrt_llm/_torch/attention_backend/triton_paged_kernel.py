@@ -5,17 +5,23 @@ can be launched, and captured in a CUDA graph, before the host learns them.
 One program per (request, KV head, block of query rows); a row is (query i, q head g of the KV
 head's group), so MLA (one latent "KV head" shared by all heads) packs queries x heads into
 rows. It walks the request's pages through its block-table row up to kv_lens[b]; keys past the
-length, and for causal steps past the query's own position, are masked (and never loaded)::
+length, in an unallocated page (BAD_PAGE_INDEX: its writes were skipped), and for causal steps
+past the query's own position, are masked (and never loaded)::
 
-    query i of request b sits at position kv_lens[b] - q_per_seq + i
+    query i of request b sits at position kv_lens[b] - n_q[b] + i
     causal     : it sees keys at positions <= its own
     non-causal : it sees every key < kv_lens[b] (a DSpark draft block)
+
+Queries are packed request-major: uniform (n_q[b] = q_per_seq, the decode / verify / draft-block
+shapes) or ragged (request b's rows are qo_indptr[b]..qo_indptr[b+1]-1: prompt chunks).
 
 GQA cache [pages, 2, Hkv, P, D]: K = plane 0, V = plane 1, value width D.
 MLA cache [pages, 1, 1, P, R + r]: K = the whole latent (scores over the R latent dims plus the
 r rope dims), V = its first R dims.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -24,19 +30,25 @@ import triton.language as tl
 
 @triton.jit
 def _paged_attention_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cp, stride_cplane, stride_ch,
-                            stride_cs, bt_ptr, stride_bt, lens_ptr, out_ptr, stride_ot, stride_oh, scale,
-                            QPS: tl.constexpr, G: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
+                            stride_cs, bt_ptr, stride_bt, lens_ptr, qo_ptr, out_ptr, stride_ot, stride_oh, scale,
+                            qps, G: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
                             K_PLANE: tl.constexpr, V_PLANE: tl.constexpr, PAGE: tl.constexpr,
-                            BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+                            BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, RAGGED: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < QPS * G
     qi = rows // G
     head = kvh * G + rows % G
-    tok = b * QPS + qi
+    if RAGGED:
+        q_begin = tl.load(qo_ptr + b)
+        n_q = tl.load(qo_ptr + b + 1) - q_begin
+    else:
+        q_begin = b * qps
+        n_q = qps
+    row_ok = rows < n_q * G
+    tok = q_begin + qi
     kv_len = tl.load(lens_ptr + b).to(tl.int32)
-    qpos = kv_len - QPS + qi
+    qpos = kv_len - n_q + qi
     d = tl.arange(0, DV)
     q_rows = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh
     q = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0)
@@ -51,7 +63,7 @@ def _paged_attention_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cp, s
     for j in range(0, n_pages):
         page = tl.load(bt_ptr + b * stride_bt + j).to(tl.int64)
         n = j * PAGE + offs
-        key_ok = n < kv_len
+        key_ok = n < tl.where(page >= 0, kv_len, 0)   # an unallocated page (BAD_PAGE_INDEX) is never read
         slot = cache_ptr + page * stride_cp + kvh * stride_ch + offs[:, None] * stride_cs
         k = tl.load(slot + K_PLANE * stride_cplane + d[None, :], mask=key_ok[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k))
@@ -64,8 +76,9 @@ def _paged_attention_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cp, s
             ok = ok & (n[None, :] <= qpos[:, None])
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)     # no key seen yet: keep 0 / 0 out
+        alpha = tl.exp(m_i - m_ref)
+        p = tl.exp(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if V_PLANE == K_PLANE:    # MLA: the value is the latent's first DV dims, the tile just loaded
             v = k
@@ -90,17 +103,24 @@ def shape_support(v_dim: int, rope_dim: int, page_size: int) -> str:
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor,
-                    scale: float, causal: bool, v_dim: int, mla: bool) -> torch.Tensor:
-    """q [B * q_per_seq, Hq, Dqk] (q_per_seq rows per request, request-major) over the pages of
-    kv_cache (module doc) -> [B * q_per_seq, Hq, v_dim] in q's dtype.
+                    scale: float, causal: bool, v_dim: int, mla: bool, qo_indptr: Optional[torch.Tensor] = None,
+                    max_q: int = 0) -> torch.Tensor:
+    """q [T, Hq, Dqk] (packed request-major) over the pages of kv_cache (module doc) ->
+    [T, Hq, v_dim] in q's dtype.
 
-    block_tables [B, max_pages] int32 and kv_lens [B] (int32 / int64) on q's device; every page a
-    request reads (kv_lens[b] / P rounded up) must be a real page of it.
+    Uniform (qo_indptr None): T = B * q_per_seq. Ragged: qo_indptr [B+1] int32 on q's device and
+    max_q >= the most rows any request has. block_tables [B, max_pages] int32 and kv_lens [B]
+    (int32 / int64) on q's device; every page a request reads (kv_lens[b] / P rounded up) must be
+    a real page of it, and kv_lens[b] >= its query rows.
     """
     b = kv_lens.shape[0]
     t, hq, dqk = q.shape
     pages, planes, hkv, page_size, width = kv_cache.shape
-    if b == 0 or t % b:
+    if qo_indptr is not None:
+        if qo_indptr.shape != (b + 1,) or max_q < 1:
+            raise ValueError(f"ragged queries need qo_indptr [{b + 1}] and max_q >= 1, got "
+                             f"{tuple(qo_indptr.shape)} and {max_q}")
+    elif b == 0 or t % b:
         raise ValueError(f"{t} query rows do not split evenly over {b} requests")
     if hq % hkv:
         raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
@@ -116,13 +136,15 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         raise ValueError(why)
     if kv_cache.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("q and the KV cache need a contiguous last dimension")
-    qps, g = t // b, hq // hkv
+    ragged = qo_indptr is not None
+    qps, g = (max_q if ragged else t // b), hq // hkv
     block_m = 16 if qps * g <= 16 else 32
     out = torch.empty(t, hq, v_dim, dtype=q.dtype, device=q.device)
     grid = (b, hkv, triton.cdiv(qps * g, block_m))
     _paged_attention_kernel[grid](
         q, q.stride(0), q.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        kv_cache.stride(3), block_tables, block_tables.stride(0), kv_lens, out, out.stride(0), out.stride(1),
-        float(scale), QPS=qps, G=g, DV=v_dim, DR=dr, K_PLANE=0, V_PLANE=0 if mla else 1, PAGE=page_size,
-        BLOCK_M=block_m, CAUSAL=causal, num_warps=8 if mla else 4, num_stages=1 if mla else 2)
+        kv_cache.stride(3), block_tables, block_tables.stride(0), kv_lens, qo_indptr if ragged else kv_lens,
+        out, out.stride(0), out.stride(1), float(scale), qps, G=g, DV=v_dim, DR=dr, K_PLANE=0,
+        V_PLANE=0 if mla else 1, PAGE=page_size, BLOCK_M=block_m, CAUSAL=causal, RAGGED=ragged,
+        num_warps=8 if mla else 4, num_stages=1 if mla else 2)
     return out

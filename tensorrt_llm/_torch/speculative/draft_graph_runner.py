@@ -208,6 +208,7 @@ class DraftGraphRunner:
             entry.verified[b:] = -1
             entry.verified[b:, 0] = 0
         entry.md.graph_shape = (bucket, self.block_size, self.kv.max_blocks_per_seq)
+        self.backend.prepare(entry.md)     # host-side checks only: the graph computes the lengths
 
     def _forward(self, entry: _DraftEntry) -> torch.Tensor:
         d, md, s, p = self.drafter, entry.md, self.block_size, self.kv.tokens_per_block

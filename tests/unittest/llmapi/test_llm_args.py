@@ -42,7 +42,7 @@ def test_invalid_values_raise(kwargs):
 
 @pytest.mark.parametrize("name", ["TRTLLM", "CUTEDSL", "FAST"])
 def test_unknown_attention_backend_names_the_known_ones(name):
-    known = r"'AUTO', 'VANILLA' or 'FLASHINFER'"
+    known = r"'AUTO', 'VANILLA', 'FLASHINFER' or 'TRITON'"
     with pytest.raises(ValidationError, match=rf"(?s)attn_backend.*{known}"):
         TorchLlmArgs(model="m", attn_backend=name)
     with pytest.raises(ValidationError, match=rf"(?s)attention_backend.*{known}"):

@@ -51,10 +51,21 @@ def test_names_without_kernels_are_unknown():
     for name in ("TRTLLM", "CUTEDSL"):
         for probe in (H100, B200):
             with pytest.raises(ValueError, match=rf"unknown attention backend '{name}'; "
-                                                 r"known: AUTO, VANILLA, FLASHINFER$"):
+                                                 r"known: AUTO, VANILLA, FLASHINFER, TRITON$"):
                 resolve_name(name, probe, mla=False)
     assert resolve_name("VANILLA", H100, mla=False).name == "VANILLA"
     assert resolve_name("FLASHINFER", H100, mla=True).name == "FLASHINFER"
+
+
+def test_triton_is_explicit_only():
+    with_triton = Probe(device_type="cuda", sm=90, flashinfer_importable=True, triton_importable=True)
+    res = resolve_name("TRITON", with_triton, mla=True)
+    assert res.name == "TRITON" and res.reason == "explicit choice"
+    assert resolve_name("AUTO", with_triton, mla=False).name == "FLASHINFER"   # AUTO never picks it
+    with pytest.raises(ValueError, match="TRITON cannot run: triton is not importable"):
+        resolve_name("TRITON", H100, mla=False)
+    with pytest.raises(ValueError, match="TRITON cannot run: TRITON needs a CUDA device"):
+        resolve_name("TRITON", CPU, mla=False)
 
 
 def test_every_known_backend_has_a_loader():

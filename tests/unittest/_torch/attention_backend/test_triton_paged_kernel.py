@@ -99,3 +99,39 @@ def test_shape_support_names_what_the_kernel_cannot_run():
     assert "rope width 8" in TritonAttention.shape_support(32, 8, 16)
     assert "value width 48 is not a power of two" in TritonAttention.shape_support(48, 0, 16)
     assert "page size 8" in TritonAttention.shape_support(64, 0, 8)
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_ragged_queries_match_reference(mla):
+    """Prompt chunks: a different number of query rows per request (qo_indptr), causal."""
+    q_lens, lens = [7, 1, 20, 4], [7, 33, 52, 16]
+    q, cache, table = _case(mla, 1, lens)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(sum(q_lens), q.shape[1], q.shape[2], generator=g).to(DTYPE).to(DEV)
+    v_dim = 32 if mla else cache.shape[-1]
+    indptr = torch.tensor([0, 7, 8, 28, 32], dtype=torch.int32, device=DEV)
+    kv_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    got = paged_attention(q, cache, table, kv_lens, 0.3, True, v_dim, mla, qo_indptr=indptr, max_q=20)
+    md = AttentionMetadata(seq_lens=q_lens, num_cached=[n - s for n, s in zip(lens, q_lens)], block_tables=table,
+                           slot_mapping=torch.zeros(0, dtype=torch.long, device=DEV), tokens_per_block=P, causal=True)
+    want = paged_sdpa(q.float(), cache[:, 0].float(), None if mla else cache[:, 1].float(), md, 0.3,
+                      v_dim=v_dim if mla else None)
+    assert rel(got, want) < TOL
+    # negative control: request 2 (rows 8..27) with one page less of context
+    short = kv_lens - torch.tensor([0, 0, P, 0], dtype=torch.int32, device=DEV)
+    off = paged_attention(q, cache, table, short, 0.3, True, v_dim, mla, qo_indptr=indptr, max_q=20)
+    assert rel(off[8:28], want[8:28]) > NEG_MIN and rel(off[:8], want[:8]) < TOL
+    with pytest.raises(ValueError, match="qo_indptr"):
+        paged_attention(q, cache, table, kv_lens, 0.3, True, v_dim, mla, qo_indptr=indptr[:3], max_q=20)
+
+
+def test_unallocated_pages_are_never_read():
+    """A table entry of BAD_PAGE_INDEX inside the length (its writes were skipped) adds nothing."""
+    q, cache, table = _case(False, 4, [40, 40])
+    kv_lens = torch.tensor([40, 40], dtype=torch.int32, device=DEV)
+    bad = table.clone()
+    bad[1, 2] = BAD_PAGE_INDEX                    # request 1's third page (positions 32..39)
+    got = paged_attention(q, cache, bad, kv_lens, 0.3, False, 32, False)
+    assert torch.isfinite(got.float()).all()
+    want = _reference(q, cache, table, [40, 32], 4, False, 32, False)   # request 1 without those keys
+    assert rel(got[4:], want[4:]) < TOL and rel(got[:4], want[:4]) < TOL
