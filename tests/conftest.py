@@ -8,6 +8,7 @@ token), top-1 margins dwarf fp32 rounding, and a dropped bias or norm weight can
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -289,3 +290,18 @@ def tiny_drafters(tmp_path_factory, tiny_llama_dir) -> dict[str, str]:
         out[kind] = str(folder)
     return out
 
+
+
+@pytest.fixture
+def no_device_syncs() -> Callable:
+    """`with no_device_syncs(): ...` raises on any torch op that blocks on the GPU
+    (torch.cuda.set_sync_debug_mode("error")); the mode is reset on exit. Callers pair it with a
+    control that shows a blocking read does raise."""
+    @contextlib.contextmanager
+    def forbid():
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return forbid

@@ -90,7 +90,7 @@ def test_gather_rows_places_device_tokens_in_graph_inputs():
 
 
 @pytest.mark.gpu
-def test_steady_decode_steps_never_block_on_the_gpu(llama64_dir):
+def test_steady_decode_steps_never_block_on_the_gpu(llama64_dir, no_device_syncs):
     """20 steady-state no-spec decode steps with graphs and the overlap scheduler under
     torch.cuda.set_sync_debug_mode("error"): no torch op in a step blocks on the device (the only
     wait is on the previous step's token copy, an event). Outputs equal the plain loop's."""
@@ -109,20 +109,13 @@ def test_steady_decode_steps_never_block_on_the_gpu(llama64_dir):
             for _ in range(6):                          # prefill, warm-up and capture
                 ex.step()
             if overlap:
-                torch.cuda.set_sync_debug_mode("error")
-                try:
+                with no_device_syncs():
                     for _ in range(20):
                         ex.step()
-                finally:
-                    torch.cuda.set_sync_debug_mode(0)
             ex.run_until_idle()
             outs[overlap] = [h.result(timeout=0).outputs[0].token_ids for h in handles]
             assert ex.engine.graph_runner.graphs.num_replays >= 20
     assert outs[True] == outs[False]
     # control: the debug mode does see a blocking read of a device value
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with pytest.raises(RuntimeError):
-            torch.ones(1, device="cuda").item()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    with no_device_syncs(), pytest.raises(RuntimeError):
+        torch.ones(1, device="cuda").item()

@@ -153,7 +153,7 @@ def test_split_steps_with_staggered_arrivals_are_lossless(llama64_dir, tmp_path_
 
 
 @gpu
-def test_dspark_steps_never_block_on_the_gpu(llama64_dir, tmp_path_factory):
+def test_dspark_steps_never_block_on_the_gpu(llama64_dir, tmp_path_factory, no_device_syncs):
     """20 steady-state DSpark steps with graphs under torch.cuda.set_sync_debug_mode("error"): every
     step launches its drafts from the device-side verify rows (one draft-graph launch per step)
     and no torch op blocks on the device; the host waits only on the verify rows' pinned copy (an
@@ -172,18 +172,11 @@ def test_dspark_steps_never_block_on_the_gpu(llama64_dir, tmp_path_factory):
             ex.step()
         runner = ex.drafter.graph_runner
         launches = runner.num_launches
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with no_device_syncs():
             for _ in range(20):
                 ex.step()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
         assert runner.num_launches - launches == 20
         ex.run_until_idle()
         assert all(len(h.result(timeout=0).outputs[0].token_ids) == 200 for h in handles)
-    torch.cuda.set_sync_debug_mode("error")                   # control
-    try:
-        with pytest.raises(RuntimeError, match="synchroniz"):
-            torch.ones(1, device="cuda").item()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    with no_device_syncs(), pytest.raises(RuntimeError, match="synchroniz"):   # control
+        torch.ones(1, device="cuda").item()
