@@ -102,9 +102,9 @@ def build_step_pages(md: AttentionMetadata) -> StepPages:
     kv_indices = md.block_tables.reshape(-1)[flat_t].to(torch.int32).contiguous()
     last = kv_lens - (n_pages - 1) * p
     shape = md.graph_shape
-    # Graph steps own every slot (the runner checks); otherwise look once per step, so the
-    # layers' writes need no per-layer host sync.
-    valid = shape is not None or not bool((md.slot_mapping < 0).any())
+    # Graph steps own every slot (the runner checks), the KV manager says so from the host, or
+    # one look per step, so the layers' writes need no per-layer host sync.
+    valid = md.all_slots_valid()
     return StepPages(torch.from_numpy(qo_indptr), torch.from_numpy(kv_indptr), kv_indices,
                      torch.from_numpy(last), torch.from_numpy(kv_lens), p,
                      tuple(shape) if shape is not None else None, valid)

@@ -58,6 +58,9 @@ class AttentionMetadata:
     # [B] int32 on the device: num_cached + seq_lens, for backends with `device_lengths` (the
     # host lists above may then be stale placeholders)
     kv_lens_device: Optional[torch.Tensor] = None
+    # every slot_mapping entry >= 0, when the producer knows it on the host (None: backends look at
+    # the device tensor once, a sync)
+    slots_all_valid: Optional[bool] = None
     extras: dict = field(default_factory=dict)  # backend-owned plan state (e.g. flashinfer)
 
     @property
@@ -71,6 +74,15 @@ class AttentionMetadata:
     @property
     def kv_lens(self) -> list[int]:
         return [c + s for c, s in zip(self.num_cached, self.seq_lens)]
+
+    def all_slots_valid(self) -> bool:
+        """No -1 in slot_mapping: a graph step's (its runner checks) or a host-known answer, else
+        one look at the device tensor."""
+        if self.graph_shape is not None:
+            return True
+        if self.slots_all_valid is not None:
+            return self.slots_all_valid
+        return not bool((self.slot_mapping < 0).any())
 
     def validate(self, num_pages: int) -> None:
         """Raise ValueError when any table entry or slot lies outside the pool."""

@@ -71,7 +71,7 @@ class TritonAttention(AttentionBackend):
             md.extras[QO_KEY] = _host_to(qo, torch.int32, dev)
         else:
             md.extras.pop(QO_KEY, None)
-        md.extras[VALID_KEY] = md.graph_shape is not None or not bool((md.slot_mapping < 0).any())
+        md.extras[VALID_KEY] = md.all_slots_valid()
 
     def _extras(self, md: AttentionMetadata) -> dict:
         if VALID_KEY not in md.extras:

@@ -81,6 +81,7 @@ class _Bucket:
     o: torch.Tensor
     host: torch.Tensor                      # [2, T] int64 staging (pinned on CUDA)
     pieces: list[_PieceEntry] = field(default_factory=list)
+    copied: Optional[torch.cuda.Event] = None   # the last host -> device copy of `host`
 
 
 def _add_device_tokens(groups: dict, row: TokenRow, dst0: int, k: int) -> None:
@@ -123,6 +124,8 @@ class PiecewiseGraphRunner:
         if t is None:
             return None
         b = self._bucket(t)
+        if b.copied is not None:
+            b.copied.synchronize()    # the previous step of this bucket has left the staging buffer
         host = b.host
         ids, pos = host[0].numpy(), host[1].numpy()
         token_offsets, logits_offsets, rows = [], [], []
@@ -149,9 +152,9 @@ class PiecewiseGraphRunner:
         for pend, dst, src in on_device.values():    # queued behind the step that made them
             b.input_ids.index_copy_(0, host_ints(dst, self.device),
                                     pend.device.reshape(-1).index_select(0, host_ints(src, self.device)))
-        copied = torch.cuda.Event() if self.device.type == "cuda" else None
-        if copied is not None:
-            copied.record()
+        if self.device.type == "cuda":
+            b.copied = torch.cuda.Event()
+            b.copied.record()
         md = self.kv.attention_metadata([s.request_id for s in segments], [s.start for s in segments], lens, True)
         self.backend.prepare(md)
         layers = self.model.decoder_layers
@@ -160,10 +163,8 @@ class PiecewiseGraphRunner:
             q, k, v = (x[:n] for x in out.qkv)
             b.o[:n].copy_(layer.self_attn.core(q, k, v, self.kv_caches[i], md, self.backend))
             out = self._replay(b, i + 1)
-        if copied is not None:
-            copied.synchronize()      # the staging buffer is free for the next step
         self.num_steps += 1
-        sel = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        sel = host_ints(rows, self.device)
         hidden = out.h[:n]
         logits = self.model.compute_logits(hidden[sel]) if rows else hidden.new_zeros(0, 1).float()
         cap = torch.cat(out.captured, dim=-1)[:n] if out.captured else None

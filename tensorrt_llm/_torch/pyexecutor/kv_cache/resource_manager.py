@@ -335,7 +335,7 @@ class KVCacheManager:
         return AttentionMetadata(seq_lens=list(lengths), num_cached=list(starts),
                                  block_tables=self._to_device(np.ascontiguousarray(self._table[rows, :n_pages])),
                                  slot_mapping=self._to_device(slots), tokens_per_block=self.tokens_per_block,
-                                 causal=causal)
+                                 causal=causal, slots_all_valid=bool((slots >= 0).all()))
 
     def _to_device(self, arr: np.ndarray) -> torch.Tensor:
         """A host array on the pools' device: from pinned memory, without waiting for the GPU queue."""

@@ -289,7 +289,8 @@ def test_attention_metadata_matches_per_request_slots():
     md = kv.attention_metadata(rids, starts, lens, causal=True)
     want = [s for r, st, n in zip(rids, starts, lens) for s in kv.slots(r, st, n)]
     assert md.slot_mapping.tolist() == want and md.slot_mapping.dtype == torch.long
-    assert -1 in want and md.seq_lens == lens and md.num_cached == starts
+    assert -1 in want and md.seq_lens == lens and md.num_cached == starts and md.slots_all_valid is False
+    assert kv.attention_metadata(rids[:2], starts[:2], lens[:2], True).slots_all_valid is True
     assert torch.equal(md.block_tables, kv.block_tables(rids, CPU)) and md.block_tables.dtype == torch.int32
     shifted = [s for r, st, n in zip(rids, starts, lens) for s in kv.slots(r, st + 1, n)]
     assert md.slot_mapping.tolist() != shifted
