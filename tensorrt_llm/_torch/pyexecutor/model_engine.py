@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..attention_backend.interface import AttentionBackend
+from ..runtime.sampler import host_ints
 from ..runtime.step import ForwardOutput, ForwardSegment
 from .cuda_graph_runner import CUDAGraphRunner
 from .kv_cache.resource_manager import KVCacheManager
@@ -80,11 +81,10 @@ class ModelEngine:
         md = self.kv.attention_metadata([s.request_id for s in segments], [s.start for s in segments],
                                         [len(s.token_ids) for s in segments], True)
         self.backend.prepare(md)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
+        input_ids, positions = host_ints(ids, self.device), host_ints(pos, self.device)
         hidden, captured = self.model(input_ids, positions, self.kv_caches, md, self.backend,
                                       self.capture_layer_ids)
-        sel = torch.tensor(rows, dtype=torch.long, device=self.device)
+        sel = host_ints(rows, self.device)
         logits = self.model.compute_logits(hidden[sel]) if rows else hidden.new_zeros(0, 1).float()
         cap = torch.cat(captured, dim=-1) if captured else None
         return ForwardOutput(logits, logits_offsets, cap, token_offsets)

@@ -242,10 +242,10 @@ class DSparkWorker(Drafter):
             pos.extend(range(c.start, c.start + c.count))
             slots.extend(s)
         if rows:
-            feats = self.drafter.context_features(captured[torch.tensor(rows, device=captured.device)])
-            self.drafter.write_context(feats, torch.tensor(pos, device=self.device),
-                                       torch.tensor(slots, dtype=torch.long, device=self.device),
-                                       self.kv_caches, self.backend)
+            # host ints go over pinned copies and the slots' validity is known here: no device sync
+            feats = self.drafter.context_features(captured[host_ints(rows, captured.device)])
+            self.drafter.write_context(feats, host_ints(pos, self.device), host_ints(slots, self.device),
+                                       self.kv_caches, self.backend, slots_valid=-1 not in slots)
         self._mark_written(commits)
         gen = [c.req for c in commits if c.req.state == RequestState.GENERATION and not c.req.is_finished]
         if gen:
@@ -285,14 +285,13 @@ class DSparkWorker(Drafter):
         # built from the manager's own tables (their invariants: test_resource_manager); no device check here
         md: AttentionMetadata = kv.attention_metadata(rids, starts, [s] * len(reqs), False)
         self.backend.prepare(md)
-        hidden = self.drafter.forward_block(torch.tensor(ids, device=self.device),
-                                            torch.tensor(pos, device=self.device), md,
+        hidden = self.drafter.forward_block(host_ints(ids, self.device), host_ints(pos, self.device), md,
                                             self.kv_caches, self.backend)
         if s < self.block_size:   # clamped block: pad rows that no draft slot reads
             h = hidden.view(len(reqs), s, -1)
             hidden = torch.cat([h, h.new_zeros(len(reqs), self.block_size - s, h.shape[-1])], 1)
             hidden = hidden.reshape(len(reqs) * self.block_size, -1)
-        anchors = torch.tensor([ids[i * s] for i in range(len(reqs))], device=self.device)
+        anchors = host_ints([ids[i * s] for i in range(len(reqs))], self.device)
         n_slots = s if self.drafter.config.shift_label else s - 1
         k_max = min(self.max_draft_len, n_slots)
         # Sampling requests draw every slot in one batched pass (their own "draft" noise stream).
