@@ -30,9 +30,10 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from ...sampling_params import SamplingParams
-from ..runtime.sampler import Sampler, mix32, processed_rows
+from ..runtime.sampler import Sampler, host_ints, mix32, processed_rows
 
 _POS_MUL, _POS_ADD = 0x85EBCA6B, 0x165667B1   # position hash constants (other than the vocab hash's)
 _M32 = 0xFFFFFFFF
@@ -159,12 +160,17 @@ class RejectionSampler:
         p = processed_rows(logits[at].reshape(-1, v), [x for x in params for _ in range(k1)]).view(-1, k1, v)
         ids = meta.draft_token_ids[at]
         q = torch.zeros(len(rand), k, v, dtype=torch.float32, device=dev)
-        for j, i in enumerate(rand):
-            probs = meta.draft_probs[i] if meta.draft_probs is not None else None
-            if probs is not None:
-                q[j, :probs.shape[0]] = probs.float()
-            elif k:   # a deterministic proposal: q is one-hot on the draft (out-of-vocab ids stay 0)
-                q[j].scatter_(1, ids[j].clamp(0, v - 1)[:, None], ((ids[j] >= 0) & (ids[j] < v)).float()[:, None])
+        drafted = [meta.draft_probs[i] if meta.draft_probs is not None else None for i in rand]
+        with_q = [j for j, x in enumerate(drafted) if x is not None]
+        if with_q:   # the drafter's slot distributions, zero past each request's own drafts
+            stacked = pad_sequence([drafted[j].float() for j in with_q], batch_first=True)    # [Q, <=K, V]
+            q[host_ints(with_q, dev), :stacked.shape[1]] = stacked
+        one_hot = [j for j, x in enumerate(drafted) if x is None]
+        if one_hot and k:   # a deterministic proposal: q is one-hot on the draft (out-of-vocab ids stay 0)
+            oh = host_ints(one_hot, dev)
+            d = ids[oh]                                                                      # [O, K]
+            q[oh] = torch.zeros(len(one_hot), k, v, device=dev).scatter_(
+                2, d.clamp(0, v - 1)[..., None], ((d >= 0) & (d < v)).float()[..., None])
         akeys = self.sampler.stream_keys(rids, params, "verify", dev)
         rkeys = self.sampler.stream_keys(rids, params, "verify", dev)
         a, t = batched_rejection_accept(ids, meta.num_draft_tokens[at], q, p, akeys, rkeys)
