@@ -211,3 +211,25 @@ def test_engine_verifies_sampled_requests_in_one_call_and_repeats_per_seed(tiny_
     params[0] = SamplingParams(max_tokens=12, temperature=0.8, seed=999, ignore_eos=True)
     c, _ = run(range(6))
     assert c[0] != a[0] and all(c[i] == a[i] for i in range(1, 6))   # control: a new seed moves only its request
+
+
+def test_random_rows_with_and_without_draft_probs_in_one_step_equal_each_alone():
+    """Sampled rows whose drafter gave distributions (of different lengths) next to sampled rows
+    drafted without them (one-hot q on the draft): the batch equals each row alone."""
+    g = torch.Generator().manual_seed(9)
+    b = 5
+    logits = torch.randn(b, K + 1, V, generator=g)
+    q = torch.softmax(torch.randn(b, K, V, generator=g), -1)
+    params = [SamplingParams(max_tokens=8, temperature=0.8, seed=10 + i) for i in range(b)]
+    drafts = [torch.multinomial(q[i], 1, generator=g).view(-1).tolist()[:1 + (2 * i) % K] for i in range(b)]
+    probs = [q[i, :len(drafts[i])] if i % 2 == 0 else None for i in range(b)]
+    together = _rows(RejectionSampler(Sampler(0, CPU)).forward(_meta(logits, drafts, params, probs)))
+    for i in range(b):
+        n = len(drafts[i])
+        alone = _rows(RejectionSampler(Sampler(0, CPU)).forward(
+            SpecDecodeMetadata([i], [params[i]], torch.tensor([drafts[i]]), torch.tensor([n]),
+                               logits[i:i + 1, :n + 1], [probs[i]])))[0]
+        assert alone == together[i], i
+    # control: q one-hot everywhere changes some row that had a distribution
+    flat = _rows(RejectionSampler(Sampler(0, CPU)).forward(_meta(logits, drafts, params, [None] * b)))
+    assert any(flat[i] != together[i] for i in range(0, b, 2))
