@@ -142,6 +142,18 @@ def test_greedy_rows_equal_the_oracle():
     assert greedy_accept(d[0].tolist(), logits[0]) != d[0].tolist() + [int(target[0, K])]
 
 
+def _batch_equals_each_alone(logits, drafts, params, probs):
+    """Verify the rows together, then each alone: every row must commit the same; returns the batch's rows."""
+    together = _rows(RejectionSampler(Sampler(0, CPU)).forward(_meta(logits, drafts, params, probs)))
+    for i in range(len(drafts)):
+        n = len(drafts[i])
+        alone = _rows(RejectionSampler(Sampler(0, CPU)).forward(
+            SpecDecodeMetadata([i], [params[i]], torch.tensor([drafts[i]]), torch.tensor([n]),
+                               logits[i:i + 1, :n + 1], [probs[i]])))[0]
+        assert alone == together[i], i
+    return together
+
+
 def test_greedy_and_random_rows_in_one_step_equal_each_alone():
     g = torch.Generator().manual_seed(8)
     b = 6
@@ -151,13 +163,7 @@ def test_greedy_and_random_rows_in_one_step_equal_each_alone():
               for i in range(b)]
     drafts = [torch.multinomial(q[i], 1, generator=g).view(-1).tolist()[:1 + i % K] for i in range(b)]
     probs = [None if p.greedy else q[i, :len(drafts[i])] for i, p in enumerate(params)]
-    together = _rows(RejectionSampler(Sampler(0, CPU)).forward(_meta(logits, drafts, params, probs)))
-    for i in range(b):
-        n = len(drafts[i])
-        alone = _rows(RejectionSampler(Sampler(0, CPU)).forward(
-            SpecDecodeMetadata([i], [params[i]], torch.tensor([drafts[i]]), torch.tensor([n]),
-                               logits[i:i + 1, :n + 1], [probs[i]])))[0]
-        assert alone == together[i]
+    together = _batch_equals_each_alone(logits, drafts, params, probs)
     # control: other seeds move some random row
     other = [p if p.greedy else SamplingParams(max_tokens=8, temperature=0.9, seed=100 + i) for i, p in enumerate(params)]
     moved = _rows(RejectionSampler(Sampler(0, CPU)).forward(_meta(logits, drafts, other, probs)))
@@ -223,13 +229,7 @@ def test_random_rows_with_and_without_draft_probs_in_one_step_equal_each_alone()
     params = [SamplingParams(max_tokens=8, temperature=0.8, seed=10 + i) for i in range(b)]
     drafts = [torch.multinomial(q[i], 1, generator=g).view(-1).tolist()[:1 + (2 * i) % K] for i in range(b)]
     probs = [q[i, :len(drafts[i])] if i % 2 == 0 else None for i in range(b)]
-    together = _rows(RejectionSampler(Sampler(0, CPU)).forward(_meta(logits, drafts, params, probs)))
-    for i in range(b):
-        n = len(drafts[i])
-        alone = _rows(RejectionSampler(Sampler(0, CPU)).forward(
-            SpecDecodeMetadata([i], [params[i]], torch.tensor([drafts[i]]), torch.tensor([n]),
-                               logits[i:i + 1, :n + 1], [probs[i]])))[0]
-        assert alone == together[i], i
+    together = _batch_equals_each_alone(logits, drafts, params, probs)
     # control: q one-hot everywhere changes some row that had a distribution
     flat = _rows(RejectionSampler(Sampler(0, CPU)).forward(_meta(logits, drafts, params, [None] * b)))
     assert any(flat[i] != together[i] for i in range(0, b, 2))
