@@ -14,6 +14,7 @@ module imports on a CPU-only install.
 from __future__ import annotations
 
 import importlib.util
+from itertools import accumulate
 
 import torch
 
@@ -65,10 +66,7 @@ class TritonAttention(AttentionBackend):
             else:
                 md.extras[LENS_KEY] = lens
         if len(set(md.seq_lens)) > 1:
-            qo = [0]
-            for n in md.seq_lens:
-                qo.append(qo[-1] + n)
-            md.extras[QO_KEY] = _host_to(qo, torch.int32, dev)
+            md.extras[QO_KEY] = _host_to(list(accumulate(md.seq_lens, initial=0)), torch.int32, dev)
         else:
             md.extras.pop(QO_KEY, None)
         md.extras[VALID_KEY] = md.all_slots_valid()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Sequence
 
+import numpy as np
 import torch
 
 from ...sampling_params import SamplingParams
@@ -92,9 +93,11 @@ def race_noise(keys: torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
     return -torch.log(u)
 
 
-def host_ints(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    """Python ints -> int64 tensor on `device`, copied from pinned memory (no wait on the GPU queue)."""
-    t = torch.tensor(values, dtype=torch.int64)
+def host_ints(values: Sequence[int] | np.ndarray, device: torch.device, dtype: torch.dtype = torch.int64
+              ) -> torch.Tensor:
+    """Python ints or a numpy array -> a `dtype` tensor on `device`, copied from pinned memory (no wait
+    on the GPU queue)."""
+    t = torch.as_tensor(values, dtype=dtype)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ...attention_backend.interface import BAD_PAGE_INDEX, AttentionMetadata
+from ...runtime.sampler import host_ints
 from .block_pool import BlockPool, chain_hash
 from .kv_cache_spec import KVCacheSpec
 
@@ -245,13 +246,18 @@ class KVCacheManager:
         -1 beyond the pages it owns (same values as `slots`, one request per row)."""
         if rows is None:
             rows = self.rows(req_ids)
-        p, width = self.tokens_per_block, self._table.shape[1]
         pos = np.asarray(starts, dtype=np.int64).reshape(-1, 1)
         if count != 1:
             pos = pos + np.arange(count, dtype=np.int64)
+        return self._slots_at(rows.reshape(-1, 1), pos)
+
+    def _slots_at(self, rows: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """Flat slots of positions `pos` in the page-table rows `rows` (broadcast together, int64);
+        -1 where the page is not allocated or lies past the table."""
+        p, width = self.tokens_per_block, self._table.shape[1]
         bi = pos // p
         col = np.minimum(np.maximum(bi, 0), width - 1)      # == bi iff the block is inside the table
-        pages = self._table[rows.reshape(-1, 1), col]
+        pages = self._table[rows, col]
         slots = pages * p + pos % p
         slots[(pages < 0) | (bi != col)] = -1
         return slots
@@ -325,22 +331,12 @@ class KVCacheManager:
         first = np.zeros(len(lens), dtype=np.int64)
         np.cumsum(lens[:-1], out=first[1:])
         pos = np.asarray(starts, dtype=np.int64)[seg] + np.arange(int(lens.sum()), dtype=np.int64) - first[seg]
-        p, width = self.tokens_per_block, self._table.shape[1]
-        bi = pos // p
-        col = np.minimum(np.maximum(bi, 0), width - 1)      # == bi iff the block is inside the table
-        pages = self._table[rows[seg], col]
-        slots = pages * p + pos % p
-        slots[(pages < 0) | (bi != col)] = -1
+        slots = self._slots_at(rows[seg], pos)
         n_pages = max(int(self._num_pages[rows].max()), 1) if len(rows) else 1
         return AttentionMetadata(seq_lens=list(lengths), num_cached=list(starts),
-                                 block_tables=self._to_device(np.ascontiguousarray(self._table[rows, :n_pages])),
-                                 slot_mapping=self._to_device(slots), tokens_per_block=self.tokens_per_block,
+                                 block_tables=host_ints(self._table[rows, :n_pages], self.device, torch.int32),
+                                 slot_mapping=host_ints(slots, self.device), tokens_per_block=self.tokens_per_block,
                                  causal=causal, slots_all_valid=bool((slots >= 0).all()))
-
-    def _to_device(self, arr: np.ndarray) -> torch.Tensor:
-        """A host array on the pools' device: from pinned memory, without waiting for the GPU queue."""
-        t = torch.from_numpy(arr)
-        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
     def free(self, req_id: int) -> None:
         seq = self.seqs.pop(req_id, None)
