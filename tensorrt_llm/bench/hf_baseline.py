@@ -6,8 +6,9 @@ left-padded and generates exactly ``max_new_tokens`` tokens greedily (``min_new_
 tokens: ``num_prompts * max_new_tokens / total time``.
 
 With ``static_cache`` (default: on CUDA) ``generate`` uses ``cache_implementation="static"``,
-for which transformers compiles the decode step with ``torch.compile`` on CUDA; batches are
-then padded to a multiple of 64 tokens so only a few shapes get compiled. transformers is
+for which transformers compiles the decode step with ``torch.compile`` on CUDA; `run` pads every
+batch to one width (the longest prompt of the run, rounded up to 64 tokens), so the compiled step
+of each batch size is traced once, by the warm-up batch, and the timed batches reuse it. transformers is
 imported inside, so the rest of the bench does not need it.
 
 `HFProcess` runs an `HFBaseline` in a child process (the side-by-side driver's HF arm): its
@@ -34,16 +35,24 @@ def _dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def _left_pad(batch: Sequence[Sequence[int]], pad_id: int, multiple: int,
-              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> input_ids [B, L] int64, attention_mask [B, L] int64 (0 on the left padding)."""
-    width = max(len(p) for p in batch)
-    width = -(-width // multiple) * multiple
+              device: torch.device, width: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> input_ids [B, L] int64, attention_mask [B, L] int64 (0 on the left padding); L is the
+    longest prompt rounded up to `multiple`, or `width` when given (at least the longest)."""
+    longest = max(len(p) for p in batch)
+    if width is not None and width < longest:
+        raise ValueError(f"pad width {width} < the longest prompt ({longest} tokens)")
+    width = width if width is not None else -(-longest // multiple) * multiple
     ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(batch), width), dtype=torch.long)
     for i, p in enumerate(batch):
         ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
         mask[i, width - len(p):] = 1
     return ids.to(device), mask.to(device)
+
+
+def static_pad_width(prompts: Sequence[Sequence[int]]) -> int:
+    """The one padded prompt width of a static-cache run: the longest prompt, rounded up to 64."""
+    return -(-max(len(p) for p in prompts) // PAD_MULTIPLE_STATIC) * PAD_MULTIPLE_STATIC
 
 
 class HFBaseline:
@@ -69,32 +78,38 @@ class HFBaseline:
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def generate(self, batch: Sequence[Sequence[int]], max_new_tokens: int) -> torch.Tensor:
-        """Greedy, exactly ``max_new_tokens`` per prompt. Returns the new tokens [B, max_new_tokens]."""
+    def generate(self, batch: Sequence[Sequence[int]], max_new_tokens: int,
+                 pad_width: Optional[int] = None) -> torch.Tensor:
+        """Greedy, exactly ``max_new_tokens`` per prompt. Returns the new tokens [B, max_new_tokens].
+        pad_width: left-pad every prompt to this many tokens (default: the batch's own width)."""
         multiple = PAD_MULTIPLE_STATIC if self.static_cache else 1
-        ids, mask = _left_pad(batch, self.pad_id, multiple, self.device)
+        ids, mask = _left_pad(batch, self.pad_id, multiple, self.device, pad_width)
         kwargs: dict[str, Any] = {"cache_implementation": "static"} if self.static_cache else {}
         out = self.model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
             min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=self.pad_id, **kwargs)
         return out[:, ids.shape[1]:]
 
-    def run(self, prompts: Sequence[Sequence[int]], batch_size: int, max_new_tokens: int) -> dict[str, Any]:
+    def run(self, prompts: Sequence[Sequence[int]], batch_size: int, max_new_tokens: int,
+            pad_width: Optional[int] = None) -> dict[str, Any]:
         """Time all ``prompts`` in batches of ``batch_size`` after one warm-up batch.
 
         The warm-up runs the first batch (full length with a static cache, where it triggers
-        compilation; 4 tokens otherwise).
+        compilation; 4 tokens otherwise). With a static cache every batch is padded to
+        `pad_width` (default: `static_pad_width(prompts)`).
         """
         if batch_size < 1 or not prompts:
             raise ValueError("need batch_size >= 1 and at least one prompt")
         batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
-        self.generate(batches[0], max_new_tokens if self.static_cache else min(4, max_new_tokens))
+        # one padded width for the run: every batch of this size has the warm-up's compiled shape
+        width = (pad_width or static_pad_width(prompts)) if self.static_cache else None
+        self.generate(batches[0], max_new_tokens if self.static_cache else min(4, max_new_tokens), width)
         self._sync()
         start = time.perf_counter()
         batch_times = []
         for b in batches:
             t0 = time.perf_counter()
-            new = self.generate(b, max_new_tokens)
+            new = self.generate(b, max_new_tokens, width)
             self._sync()
             batch_times.append(time.perf_counter() - t0)
             if new.shape[1] != max_new_tokens:
@@ -106,6 +121,7 @@ class HFBaseline:
             "output_tokens": n_out, "output_tok_s": n_out / elapsed, "requests_per_s": len(prompts) / elapsed,
             # every request of a static batch finishes with its batch
             "e2e_mean_s": sum(t * len(b) for t, b in zip(batch_times, batches)) / len(prompts),
+            "batch_times_s": batch_times, "pad_width": width,
             "static_cache": self.static_cache, "device": str(self.device),
             "dtype": str(self.dtype).replace("torch.", ""),
         }
@@ -146,12 +162,14 @@ class HFProcess:
             raise RuntimeError(f"HF baseline process failed ({what}): {value}")
         return value
 
-    def generate(self, batch: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
-        self._conn.send(("generate", ([list(p) for p in batch], max_new_tokens)))
+    def generate(self, batch: Sequence[Sequence[int]], max_new_tokens: int,
+                 pad_width: Optional[int] = None) -> list[list[int]]:
+        self._conn.send(("generate", ([list(p) for p in batch], max_new_tokens, pad_width)))
         return self._reply("generate")
 
-    def run(self, prompts: Sequence[Sequence[int]], batch_size: int, max_new_tokens: int) -> dict[str, Any]:
-        self._conn.send(("run", ([list(p) for p in prompts], batch_size, max_new_tokens)))
+    def run(self, prompts: Sequence[Sequence[int]], batch_size: int, max_new_tokens: int,
+            pad_width: Optional[int] = None) -> dict[str, Any]:
+        self._conn.send(("run", ([list(p) for p in prompts], batch_size, max_new_tokens, pad_width)))
         return self._reply("run")
 
     def close(self) -> None:

@@ -270,12 +270,14 @@ def run_sidebyside(args: argparse.Namespace, arms: Sequence[Arm], report_cb=None
                 mark(f"built + warmed {arm.name}")
             for arm in arms:
                 if arm.is_hf:   # its own process: no torch.compile state next to the engines' graphs
-                    from .hf_baseline import HFProcess
+                    from .hf_baseline import HFProcess, static_pad_width
                     first = next(iter(engines.values()))
                     hf_models[arm.name] = HFProcess(args.model, device=first.llm.capacity_report["device"],
                                                     dtype=first.args.dtype, static_cache=args.hf_static_cache)
+                    hf_width = static_pad_width(prompts)   # one prompt width: one compiled step per C
                     for c in args.concurrency:   # compiles the static-cache step per batch shape
-                        hf_models[arm.name].generate(level_requests(prompts, c, 1, 1)[:c], args.max_tokens)
+                        hf_models[arm.name].generate(level_requests(prompts, c, 1, 1)[:c], args.max_tokens,
+                                                     hf_width)
                     mark(f"loaded + warmed {arm.name}")
             round_s = 0.0
             for r in range(args.rounds):
@@ -288,7 +290,7 @@ def run_sidebyside(args: argparse.Namespace, arms: Sequence[Arm], report_cb=None
                     for c in args.concurrency:
                         reqs = level_requests(prompts, c, args.waves, args.min_requests)
                         if arm.is_hf:
-                            row = hf_models[arm.name].run(reqs, c, args.max_tokens)
+                            row = hf_models[arm.name].run(reqs, c, args.max_tokens, hf_width)
                             row = {**row, "concurrency": c, "tpot_mean_s": None}
                         else:
                             row = benchmark.run_concurrency(engines[arm.name].llm, reqs, c, params)
