@@ -60,7 +60,7 @@ def _gpu_ms_per_step(llm, prompts, params) -> dict:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         llm.generate(prompts, params)
     n = max(ex.iterations - it0, 1)
-    dev_us = 0.0
+    dev_us, launches = 0.0, 0
     rows = []
     for e in prof.key_averages():
         d = getattr(e, "self_device_time_total", None)
@@ -68,19 +68,22 @@ def _gpu_ms_per_step(llm, prompts, params) -> dict:
             d = getattr(e, "self_cuda_time_total", 0.0)
         if d > 0:
             dev_us += d
+            launches += e.count
             rows.append((d, e.key, e.count))
     rows.sort(reverse=True)
-    return {"profiled_steps": n, "gpu_ms_per_step": dev_us / 1000 / n,
+    return {"profiled_steps": n, "gpu_ms_per_step": dev_us / 1000 / n, "gpu_ops_per_step": launches / n,
             "top_device": [{"name": k[:90], "ms_per_step": d / 1000 / n, "calls_per_step": c / n}
                            for d, k, c in rows[:25]]}
 
 
 def profile_arm(model: str, drafter: str | None, batch: int, max_tokens: int, prompts: list[str],
                 out_dir: Path, name: str, attn_backend: str = "FLASHINFER", graphs: bool = True,
-                kv_max_tokens: int = 262144) -> dict:
+                kv_max_tokens: int = 262144, compile_regions: bool = False) -> dict:
     from tensorrt_llm import LLM, SamplingParams
     kw = dict(attn_backend=attn_backend, use_cuda_graph=graphs, max_batch_size=batch,
               kv_cache_config={"max_tokens": kv_max_tokens})
+    if compile_regions:
+        kw["torch_compile_config"] = {"enable_inductor": True}
     if drafter:
         kw["speculative_config"] = {"decoding_type": "DSpark", "speculative_model": drafter}
     llm = LLM(model, **kw)
@@ -153,6 +156,7 @@ def main() -> None:
     ap.add_argument("--attn-backend", default="FLASHINFER", help="AUTO / VANILLA for a CPU smoke run")
     ap.add_argument("--kv-max-tokens", type=int, default=262144)
     ap.add_argument("--no-graphs", action="store_true", help="use_cuda_graph=False (CPU smoke run)")
+    ap.add_argument("--compile", action="store_true", help="torch_compile_config: inductor layer regions")
     a = ap.parse_args()
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -164,11 +168,11 @@ def main() -> None:
     for b in a.batch:
         for name, path in arms:
             r = profile_arm(a.model, path, b, a.max_tokens, prompts, out, name, a.attn_backend, not a.no_graphs,
-                            a.kv_max_tokens)
+                            a.kv_max_tokens, a.compile)
             rows.append(r)
             ph = r["phase_ms_per_step"]
             print(f"{name:7s} B={b:3d} {r['tok_per_s']:8.0f} tok/s  {r['ms_per_step']:6.2f} ms/step "
-                  f"(gpu {r['gpu_ms_per_step']:5.2f})  tok/step {r['tokens_per_step']:5.1f}  "
+                  f"(gpu {r['gpu_ms_per_step']:5.2f}, {r['gpu_ops_per_step']:5.0f} ops)  tok/step {r['tokens_per_step']:5.1f}  "
                   + "  ".join(f"{k} {v:5.2f}" for k, v in ph.items()), flush=True)
             (out / "spec_profile.json").write_text(json.dumps(rows, indent=1))
 

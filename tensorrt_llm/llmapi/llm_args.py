@@ -79,6 +79,15 @@ class DSparkDecodingConfig(StrictBaseModel):
 SpeculativeConfig = Annotated[Union[DSparkDecodingConfig], Field(discriminator="decoding_type")]
 
 
+class TorchCompileConfig(StrictBaseModel):
+    """torch.compile inside the engine (inductor; the engine's own CUDA graphs capture its kernels)."""
+
+    enable_inductor: bool = Field(
+        default=True, description="Compile the position-wise halves of every target decoder layer (the "
+        "norms, RoPE, SwiGLU and residual adds between the GEMMs) with inductor: a few fused kernels "
+        "instead of ~25 small ones per layer. Costs a one-time compile per process (tens of seconds).")
+
+
 class TorchLlmArgs(StrictBaseModel):
     """Arguments of `LLM(...)`; also the shape of a YAML `--extra_llm_api_options` file."""
 
@@ -104,6 +113,8 @@ class TorchLlmArgs(StrictBaseModel):
         "tokens stay on the device as the next step's inputs and are read (stop criteria applied) one "
         "step later, while the GPU runs that step; outputs are the same either way. DSpark steps verify "
         "on the host every step and do not overlap.")
+    torch_compile_config: Optional[TorchCompileConfig] = Field(
+        default=None, description="torch.compile regions in the target model; absent: eager PyTorch ops.")
     kv_cache_config: KvCacheConfig = Field(
         default_factory=KvCacheConfig, description="Paged KV cache settings.")
     speculative_config: Optional[SpeculativeConfig] = Field(

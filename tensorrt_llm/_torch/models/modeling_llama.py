@@ -13,6 +13,7 @@ from torch import nn
 
 from ..attention_backend.interface import AttentionBackend, AttentionMetadata
 from ..modules.attention import Attention
+from ..modules.compiled_regions import LayerRegions
 from ..modules.gated_mlp import GatedMLP
 from ..modules.rms_norm import RMSNorm
 from ..modules.rotary_embedding import RotaryEmbedding
@@ -81,14 +82,24 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.regions: Optional[LayerRegions] = None   # `LlamaForCausalLM.use_regions`
 
     def attention_inputs(self, h: torch.Tensor, positions: torch.Tensor,
                          rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h: [T, hidden] residual stream -> (q [T, Hq, D], k, v [T, Hkv, D]) of this layer."""
-        return self.self_attn.qkv(self.input_layernorm(h), positions, rope)
+        a, r = self.self_attn, self.regions
+        if r is not None:
+            n = self.input_layernorm
+            return r.attention_inputs(h, n.weight, n.eps, *a._qkv, *rope, a.num_heads, a.num_kv_heads, a.head_dim)
+        return a.qkv(self.input_layernorm(h), positions, rope)
 
     def output(self, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """h: [T, hidden] residual stream, o: [T, Hq * D] attention output -> the layer's output."""
+        r = self.regions
+        if r is not None:
+            n = self.post_attention_layernorm
+            return r.output(h, o, self.self_attn.o_proj.weight, n.weight, n.eps, self.mlp._gate_up,
+                            self.mlp.down_proj.weight)
         h = h + self.self_attn.o_proj(o)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -166,6 +177,19 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
+
+    def use_regions(self, regions: LayerRegions) -> None:
+        """Run every decoder layer's position-wise halves through `regions` (e.g. compiled by
+        inductor); needs the fused projections (`fuse_projections`) and half-rotation RoPE."""
+        if self.rotary.interleaved or self.rotary.rot_dim != self.config.head_dim:
+            raise ValueError("compiled layer regions need half-rotation RoPE over the whole head")
+        for i, layer in enumerate(self.model.layers):
+            a = layer.self_attn
+            if a._qkv is None or layer.mlp._gate_up is None or a.q_norm is not None:
+                raise ValueError(f"layer {i}: compiled regions need fused q|k|v and gate|up projections "
+                                 "(fuse_projections, no q/k norm, no MLP bias)")
+        for layer in self.model.layers:
+            layer.regions = regions
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> logits [N, V] float32."""

@@ -6,6 +6,17 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., hidden] -> same shape and dtype (float32 accumulation)."""
+    if x.dtype == torch.float32 or x.is_cuda:
+        # one fused op (fp32 accumulation inside); equals the float32 formula below
+        return F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps)
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -14,10 +25,4 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., hidden] -> same shape and dtype."""
-        if x.dtype == torch.float32 or x.is_cuda:
-            # one fused op (fp32 accumulation inside); equals the float32 formula below
-            return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        return rms_norm(x, self.weight, self.eps)

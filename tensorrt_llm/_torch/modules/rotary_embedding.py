@@ -69,6 +69,14 @@ def rope_inv_freq(dim: int, theta: float, rope_scaling: Optional[dict[str, Any]]
     return inv, attn
 
 
+def rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Half-rotation RoPE of x [T, H, d] (float32) with the full-width signed tables of
+    `RotaryEmbedding.cos_sin`: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), float32 out."""
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, swapped, sin)
+
+
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to [T, H, rot_dim] tensors at absolute positions [T]."""
 
@@ -111,7 +119,4 @@ class RotaryEmbedding(nn.Module):
             x1, x2 = x[..., 0::2], x[..., 1::2]
             o1, o2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
             return torch.stack((o1, o2), dim=-1).flatten(-2).to(dtype)
-        half = self.rot_dim // 2
-        # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) in 5 kernels (a few fewer launches per layer)
-        swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-        return torch.addcmul(x * cos, swapped, sin).to(dtype)
+        return rope_halves(x, cos, sin).to(dtype)

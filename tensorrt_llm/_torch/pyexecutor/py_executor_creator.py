@@ -13,6 +13,7 @@ from ...llmapi.llm_args import TorchLlmArgs
 from ...llmapi.tokenizer import TokenizerWrapper
 from ..attention_backend.resolver import create_backend
 from ..models import load_target_model
+from ..modules.compiled_regions import LayerRegions
 from .kv_cache.kv_cache_spec import KVCacheSpec, kv_dtype_from_name, split_budget
 from ..runtime.device import resolve_device, resolve_dtype
 from .model_engine import ModelEngine
@@ -51,6 +52,9 @@ def create_py_executor(args: TorchLlmArgs, tokenizer: TokenizerWrapper) -> Execu
     if max_seq_len > model_max:
         raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings {model_max}")
     model = load_target_model(args.model, dtype, device, max_positions=max_seq_len + 64)
+    tcc = args.torch_compile_config
+    if tcc is not None and tcc.enable_inductor:
+        model.use_regions(LayerRegions.inductor())
     cfg = model.config
     kvc = args.kv_cache_config
     kv_dtype = kv_dtype_from_name(kvc.dtype, dtype)
@@ -96,6 +100,7 @@ def create_py_executor(args: TorchLlmArgs, tokenizer: TokenizerWrapper) -> Execu
     report = kv.report()
     report.update({
         "device": str(device), "dtype": str(dtype).replace("torch.", ""), "max_seq_len": max_seq_len,
+        "layer_regions": "inductor" if tcc is not None and tcc.enable_inductor else "eager",
         "attention_backend": {"target": {"name": res.name, "reason": res.reason}},
         "model": {"architecture": cfg.architecture, "layers": cfg.num_hidden_layers,
                   "hidden": cfg.hidden_size, "vocab": cfg.vocab_size},

@@ -1,0 +1,77 @@
+"""The position-wise halves of a decoder layer as pure functions, optionally compiled by inductor.
+
+A decoder layer is attention between two position-wise regions::
+
+    attention_inputs: rms_norm -> q|k|v GEMM -> RoPE of q and k (one rotation)   -> q, k, v
+    output          : o_proj GEMM + residual -> rms_norm -> gate|up GEMM -> silu * up -> down + residual
+
+Eagerly each region is a dozen small kernels (the casts, the rotation's slices and products,
+the residual adds); `torch.compile` (inductor, no CUDA graphs of its own) fuses the pointwise
+work between the GEMMs into a few Triton kernels, and the engine's CUDA graphs (whole-step,
+piecewise, draft) capture the compiled code like any other. The functions take every weight as
+an argument, so one compiled graph serves all layers (dynamo guards on shapes and dtypes, not
+on modules); token counts are dynamic (one trace for T = 1, one for any other T).
+
+`LayerRegions.eager()` runs the same functions uncompiled: the layers' own path, and the
+reference of the compiled one.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .rms_norm import rms_norm
+from .rotary_embedding import rope_halves
+
+
+def attention_inputs(h: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv_w: torch.Tensor,
+                     qkv_b: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                     num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h [T, H] residual stream -> roped q [T, Hq, D] (contiguous), roped k [T, Hkv, D], v [T, Hkv, D].
+
+    qkv_w [(Hq + 2 Hkv) D, H] the fused projection; cos / sin [T, 1, D] from `RotaryEmbedding.cos_sin`
+    (half-rotation tables)."""
+    t = h.shape[0]
+    qkv = F.linear(rms_norm(h, norm_w, eps), qkv_w, qkv_b)
+    nqk = (num_heads + num_kv_heads) * head_dim
+    qk = rope_halves(qkv[:, :nqk].view(t, num_heads + num_kv_heads, head_dim).float(), cos, sin).to(h.dtype)
+    v = qkv[:, nqk:].view(t, num_kv_heads, head_dim)
+    return qk[:, :num_heads].contiguous(), qk[:, num_heads:], v
+
+
+def layer_output(h: torch.Tensor, o: torch.Tensor, o_w: torch.Tensor, norm_w: torch.Tensor, eps: float,
+                 gate_up_w: torch.Tensor, down_w: torch.Tensor) -> torch.Tensor:
+    """h [T, H] residual stream, o [T, Hq D] attention output -> the layer's output [T, H]
+    (o_proj + residual, then the SwiGLU MLP + residual; gate_up_w [2I, H] the fused gate|up)."""
+    h = h + F.linear(o, o_w)
+    g, u = F.linear(rms_norm(h, norm_w, eps), gate_up_w).chunk(2, dim=-1)
+    return h + F.linear(F.silu(g) * u, down_w)
+
+
+@dataclass(frozen=True)
+class LayerRegions:
+    """The two region functions a decoder layer calls (eager, or compiled)."""
+
+    attention_inputs: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    output: Callable[..., torch.Tensor]
+    compiled: bool
+
+    @staticmethod
+    def eager() -> "LayerRegions":
+        return LayerRegions(attention_inputs, layer_output, compiled=False)
+
+    @staticmethod
+    def inductor() -> "LayerRegions":
+        """Both regions compiled by inductor (dynamic token count). Compiled once per process: every
+        model and engine shares the traces (their guards are shapes and dtypes)."""
+        return _inductor_regions()
+
+
+@functools.cache
+def _inductor_regions() -> LayerRegions:
+    return LayerRegions(torch.compile(attention_inputs, dynamic=True), torch.compile(layer_output, dynamic=True),
+                        compiled=True)

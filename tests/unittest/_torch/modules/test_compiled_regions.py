@@ -1,0 +1,115 @@
+"""Decoder-layer regions (`compiled_regions`): the eager functions are the layers' own path, and the
+inductor-compiled ones agree with them.
+
+CPU (float32, tiny Llama, paged VANILLA forward): the eager regions give bitwise the module path's
+logits; the inductor regions agree within 1e-4 relative while a model with one perturbed weight
+(negative control) lands far outside; `LLM(torch_compile_config=...)` decodes the same greedy
+tokens and reports its regions; layers without fused projections are refused.
+GPU (bf16, FLASHINFER + CUDA graphs): compiled vs eager regions' prompt logits within 2e-2
+relative with the same negative control, and greedy decoding with graphs agrees with the eager
+regions' up to near ties (a divergence only where fp32 logits of the two choices are within
+3% of a std; >= 75% of tokens before the first divergence).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tensorrt_llm import SamplingParams
+from tensorrt_llm._torch.attention_backend.vanilla import VanillaAttention
+from tensorrt_llm._torch.models import load_target_model
+from tensorrt_llm._torch.modules.compiled_regions import LayerRegions
+from tensorrt_llm._torch.pyexecutor.kv_cache.kv_cache_spec import KVCacheSpec
+from tensorrt_llm._torch.pyexecutor.kv_cache.resource_manager import KVCacheManager
+from tensorrt_llm._torch.pyexecutor.model_engine import ModelEngine
+from tensorrt_llm._torch.runtime.step import ForwardSegment
+
+IDS = [5, 17, 99, 3, 250, 41, 7, 300, 12, 64, 1, 2, 3]
+
+
+def _logits(model, device, chunks=(9, 1, 3)) -> torch.Tensor:
+    """[len(IDS), V] logits of a paged forward: a 9-token chunk, one decode-shaped step, a 3-token one."""
+    layers, kv_heads, head_dim = model.kv_cache_layout()
+    spec = KVCacheSpec("target", "gqa", layers, 2, kv_heads, head_dim, model.lm_head.weight.dtype)
+    kv = KVCacheManager([spec], 4, 16, len(IDS) + 1, device)
+    engine = ModelEngine(model, kv, VanillaAttention(), device)
+    kv.add_sequence(1, IDS, len(IDS))
+    out, start = [], 0
+    for n in chunks:
+        kv.ensure_capacity(1, start + n)
+        out.append(engine.forward([ForwardSegment(1, IDS[start:start + n], start, n)]).logits.float().cpu())
+        start += n
+    return torch.cat(out)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def _perturbed(model) -> None:
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(1.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32])
+def test_eager_regions_are_the_module_path(tiny_llama_dir, dtype):
+    model = load_target_model(tiny_llama_dir, dtype, torch.device("cpu"))
+    want = _logits(model, torch.device("cpu"))
+    model.use_regions(LayerRegions.eager())
+    assert torch.equal(_logits(model, torch.device("cpu")), want)
+    _perturbed(model)
+    assert _rel(_logits(model, torch.device("cpu")), want) > 1e-2
+
+
+def test_inductor_regions_match_eager_on_cpu(tiny_llama_dir, make_llm):
+    cpu = torch.device("cpu")
+    model = load_target_model(tiny_llama_dir, torch.float32, cpu)
+    want = _logits(model, cpu)
+    model.use_regions(LayerRegions.inductor())
+    assert _rel(_logits(model, cpu), want) < 1e-4
+    _perturbed(model)
+    assert _rel(_logits(model, cpu), want) > 1e-2      # the compiled code reads the weights passed in
+
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7], [40, 41, 42, 43, 44]]
+    ref = [o.outputs[0].token_ids for o in make_llm(tiny_llama_dir).generate(prompts, sp)]
+    llm = make_llm(tiny_llama_dir, torch_compile_config={})
+    assert llm.capacity_report["layer_regions"] == "inductor"
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == ref
+
+
+def test_regions_need_fused_projections(tiny_llama_dir):
+    model = load_target_model(tiny_llama_dir, torch.float32, torch.device("cpu"))
+    model.model.layers[1].mlp._gate_up = None
+    with pytest.raises(ValueError, match="layer 1: compiled regions need fused"):
+        model.use_regions(LayerRegions.eager())
+    assert all(layer.regions is None for layer in model.model.layers)   # nothing half-applied
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_inductor_regions_on_gpu(llama64_dir, make_llm, hf_reference):
+    cuda = torch.device("cuda")
+    model = load_target_model(llama64_dir, torch.bfloat16, cuda)
+    want = _logits(model, cuda)
+    model.use_regions(LayerRegions.inductor())
+    assert _rel(_logits(model, cuda), want) < 2e-2
+    _perturbed(model)
+    assert _rel(_logits(model, cuda), want) > 5e-2
+
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7], [40, 41, 42, 43, 44], list(range(100, 140))]
+    common = dict(device="cuda", attn_backend="FLASHINFER", use_cuda_graph=True)
+    ref = [o.outputs[0].token_ids for o in make_llm(llama64_dir, **common).generate(prompts, sp)]
+    llm = make_llm(llama64_dir, torch_compile_config={}, **common)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    assert llm._bundle.executor.engine.graph_runner.graphs.num_replays > 0
+    hf, agreed = hf_reference.load(llama64_dir), 0
+    for pr, a, b in zip(prompts, got, ref):
+        i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+        agreed += i
+        if i < len(a):
+            logits = hf_reference.logits(hf, pr + a[:i])[-1]
+            gap = float((logits[a[i]] - logits[b[i]]).abs())
+            assert gap < 0.03 * float(logits.std()), f"diverged at {i}: fp32 gap {gap:.3f}"
+    assert agreed >= 0.75 * sum(len(a) for a in got)
