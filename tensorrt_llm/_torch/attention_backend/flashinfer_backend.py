@@ -21,6 +21,10 @@ Plan lifecycle (nothing lives in module globals):
   (batch_size, tokens_per_request, max_pages_per_seq)``. Those steps use wrappers with
   fixed-address index buffers (``use_cuda_graph=True``); ``prepare`` re-plans every such
   wrapper already known for that shape (outside the graph, before replay).
+* GQA steps where every request has one new token (decode) use flashinfer's decode kernel
+  (BatchDecodeWithPagedKVCacheWrapper: split-KV over CUDA cores, one query row per request)
+  instead of the prefill kernel, whose query tile is mostly empty at one row; every other GQA
+  step (prompt chunks, verify segments, draft blocks) uses the prefill kernel.
 * New K/V (latents) are written first. When every slot of the step is owned (checked once
   in ``prepare``; guaranteed by the graph runner) the scatter needs no host sync; otherwise
   ``write_slots`` skips the -1 slots.
@@ -67,6 +71,7 @@ class StepPages:
     page_size: int
     graph_shape: Optional[tuple[int, int, int]] = None
     slots_valid: bool = True      # every slot_mapping entry >= 0 (new K/V scattered without syncs)
+    decode: bool = False          # every request has exactly one new token
     # rows of a cache viewed as [-1, D] that each new token's heads are written to, per (capturing,
     # planes, heads, P, plane): computed by the step's first layer, reused by the others
     write_rows: dict[tuple[bool, int, int, int, int], torch.Tensor] = field(default_factory=dict)
@@ -107,14 +112,14 @@ def build_step_pages(md: AttentionMetadata) -> StepPages:
     valid = md.all_slots_valid()
     return StepPages(torch.from_numpy(qo_indptr), torch.from_numpy(kv_indptr), kv_indices,
                      torch.from_numpy(last), torch.from_numpy(kv_lens), p,
-                     tuple(shape) if shape is not None else None, valid)
+                     tuple(shape) if shape is not None else None, valid, bool((seq == 1).all()))
 
 
 @dataclass(frozen=True)
 class PlanKey:
     """What a plan is specialised for (one wrapper each)."""
 
-    kind: str                                   # "gqa" | "mla"
+    kind: str                                   # "gqa" | "gqa_decode" | "mla"
     graph_shape: Optional[tuple[int, int, int]]
     causal: bool
     num_qo_heads: int
@@ -150,9 +155,16 @@ def scatter_rows(kv_cache: torch.Tensor, rows: torch.Tensor, values: torch.Tenso
     kv_cache.view(-1, kv_cache.shape[-1]).index_put_((rows,), values.to(kv_cache.dtype))
 
 
+def _gqa_kind(pages: StepPages, md: AttentionMetadata) -> tuple[str, bool]:
+    """(plan kind, causal) of a GQA step: one query row per request runs the decode kernel (causal
+    or not, that row attends to all of its KV), anything else the prefill kernel."""
+    return ("gqa_decode", True) if pages.decode else ("gqa", md.causal)
+
+
 class FlashInferAttention(AttentionBackend):
-    """flashinfer paged attention: GQA prefill / decode / verify / non-causal draft blocks
-    (BatchPrefillWithPagedKVCacheWrapper, HND) and absorbed MLA (BatchMLAPagedAttentionWrapper).
+    """flashinfer paged attention: GQA prefill / verify / non-causal draft blocks
+    (BatchPrefillWithPagedKVCacheWrapper, HND), GQA decode (BatchDecodeWithPagedKVCacheWrapper,
+    HND) and absorbed MLA (BatchMLAPagedAttentionWrapper).
 
     fp8 KV is not supported (declared fp8_kv=False); sliding windows are not supported.
     Both GQA and MLA plans have CUDA-graph variants (fixed-address metadata buffers).
@@ -179,8 +191,10 @@ class FlashInferAttention(AttentionBackend):
         pages = build_step_pages(metadata)
         metadata.extras[PAGES_KEY] = pages
         if pages.graph_shape is not None:
+            gqa = _gqa_kind(pages, metadata)
             for key, slot in self._slots.items():
-                if key.graph_shape == pages.graph_shape and key.causal == metadata.causal:
+                if key.graph_shape == pages.graph_shape and (
+                        (key.kind, key.causal) == gqa if key.kind != "mla" else key.causal == metadata.causal):
                     self._plan(slot, key, pages)
 
     def _pages(self, md: AttentionMetadata) -> StepPages:
@@ -210,11 +224,19 @@ class FlashInferAttention(AttentionBackend):
     def _new_wrapper(self, key: PlanKey, device: torch.device) -> Any:
         fi = import_flashinfer()
         ws = self._workspace_on(device)
+        i32 = dict(dtype=torch.int32, device=device)
+        if key.kind == "gqa_decode":
+            if key.graph_shape is None:
+                return fi.BatchDecodeWithPagedKVCacheWrapper(ws, kv_layout="HND")
+            bsz, _, max_pages = key.graph_shape
+            return fi.BatchDecodeWithPagedKVCacheWrapper(
+                ws, kv_layout="HND", use_cuda_graph=True, paged_kv_indptr_buffer=torch.zeros(bsz + 1, **i32),
+                paged_kv_indices_buffer=torch.zeros(bsz * max_pages, **i32),
+                paged_kv_last_page_len_buffer=torch.zeros(bsz, **i32))
         if key.kind == "gqa":
             if key.graph_shape is None:
                 return fi.BatchPrefillWithPagedKVCacheWrapper(ws, kv_layout="HND", backend=self.gqa_kernel)
             bsz, _, max_pages = key.graph_shape
-            i32 = dict(dtype=torch.int32, device=device)
             return fi.BatchPrefillWithPagedKVCacheWrapper(
                 ws, kv_layout="HND", backend=self.gqa_kernel, use_cuda_graph=True,
                 qo_indptr_buf=torch.zeros(bsz + 1, **i32), paged_kv_indptr_buf=torch.zeros(bsz + 1, **i32),
@@ -230,7 +252,6 @@ class FlashInferAttention(AttentionBackend):
         # Graph plans copy their CSR metadata into these fixed-address buffers (re-planned
         # before every replay; fa2/fa3 keep their integer workspace across re-plans).
         bsz, _, max_pages = key.graph_shape
-        i32 = dict(dtype=torch.int32, device=device)
         return wrapper_cls(ws, use_cuda_graph=True, qo_indptr=torch.zeros(bsz + 1, **i32),
                            kv_indptr=torch.zeros(bsz + 1, **i32), kv_indices=torch.zeros(bsz * max_pages, **i32),
                            kv_len_arr=torch.zeros(bsz, **i32), backend=mla_kernel)
@@ -240,7 +261,11 @@ class FlashInferAttention(AttentionBackend):
         # wait until the previous upload left that buffer before overwriting it.
         if slot.uploaded is not None:
             slot.uploaded.synchronize()
-        if key.kind == "gqa":
+        if key.kind == "gqa_decode":
+            slot.wrapper.plan(pages.kv_indptr, pages.kv_indices, pages.last_page_len, key.num_qo_heads,
+                              key.num_kv_heads, key.head_dim, pages.page_size, pos_encoding_mode="NONE",
+                              sm_scale=key.scale, q_data_type=key.dtype, kv_data_type=key.dtype)
+        elif key.kind == "gqa":
             extra = {"uniform_q_len": key.graph_shape[1]} if key.graph_shape is not None else {}
             slot.wrapper.plan(pages.qo_indptr, pages.kv_indptr, pages.kv_indices, pages.last_page_len,
                               key.num_qo_heads, key.num_kv_heads, key.head_dim, pages.page_size,
@@ -289,8 +314,8 @@ class FlashInferAttention(AttentionBackend):
         pages = self._pages(metadata)
         self._write(kv_cache, 0, k, metadata, pages)
         self._write(kv_cache, 1, v, metadata, pages)
-        key = PlanKey("gqa", pages.graph_shape, metadata.causal, q.shape[1], k.shape[1], q.shape[2], 0,
-                      q.dtype, float(scale))
+        kind, causal = _gqa_kind(pages, metadata)
+        key = PlanKey(kind, pages.graph_shape, causal, q.shape[1], k.shape[1], q.shape[2], 0, q.dtype, float(scale))
         slot = self._planned_slot(key, pages, q.device)
         return slot.wrapper.run(q.contiguous(), kv_cache)
 

@@ -176,7 +176,7 @@ def test_step_pages_match_reference_on_random_inputs():
     for trial in range(200):
         p = rng.choice([4, 16, 32])
         b = rng.randrange(1, 20)
-        new = [rng.randrange(1, 3 * p) for _ in range(b)]
+        new = [1] * b if trial % 4 == 1 else [rng.randrange(1, 3 * p) for _ in range(b)]
         cached = [rng.randrange(0, 6 * p) for _ in range(b)]
         pages = [-(-(c + n) // p) for c, n in zip(cached, new)]
         width = max(pages) + rng.randrange(0, 4)
@@ -198,6 +198,7 @@ def test_step_pages_match_reference_on_random_inputs():
         assert got.kv_lens.tolist() == kv_lens and got.page_size == p
         assert got.slots_valid == (graph or -1 not in slots)
         assert got.graph_shape == ((b, 1, width) if graph else None)
+        assert got.decode == all(n == 1 for n in new)
     # negative control: the reference sees other page ids when the table changes
     bt[0, 0] += 1
     assert build_step_pages(md).kv_indices.tolist() != idx
@@ -241,6 +242,16 @@ def _fake_flashinfer() -> tuple[types.ModuleType, types.ModuleType, list]:
                 outs.append(_fake_attention(q[qo[b]:qo[b + 1]], kk, vv, causal, scale))
             return torch.cat(outs)
 
+    class Decode(Prefill):
+        def __init__(self, ws, kv_layout="NHD", use_cuda_graph=False, **bufs):
+            assert kv_layout == "HND"
+
+        def plan(self, kvp, kvi, last, hq, hkv, d, p, pos_encoding_mode="NONE", sm_scale=None,
+                 q_data_type=None, kv_data_type=None):
+            assert pos_encoding_mode == "NONE"
+            calls.append(("gqa_decode", True, hq, hkv, d, p))
+            self.a = (list(range(len(kvp))), kvp.tolist(), kvi.long(), last.tolist(), p, True, sm_scale)
+
     class MLAMeta:
         @staticmethod
         def csr(qo, kvp, kvi, kv_len):
@@ -266,6 +277,7 @@ def _fake_flashinfer() -> tuple[types.ModuleType, types.ModuleType, list]:
 
     fi = types.ModuleType("flashinfer")
     fi.BatchPrefillWithPagedKVCacheWrapper = Prefill
+    fi.BatchDecodeWithPagedKVCacheWrapper = Decode
     mla = types.ModuleType("flashinfer.mla")
     mla.BatchMLAPagedAttentionWrapper, mla.MLAPlanMetadata = MLA, MLAMeta
     fi.mla = mla
@@ -288,6 +300,8 @@ def test_backend_contract_with_fake_flashinfer(monkeypatch, path):
         cached, new, causal = PATHS[path]
         fi = FlashInferAttention()
         check_against_vanilla(fi, make_case(2, cached, new, causal, "cpu"))
+        # one new token per request: the decode kernel; anything else: the prefill kernel
+        assert calls[-1][:2] == (("gqa_decode", True) if path == "decode" else ("gqa", causal))
         case = make_case(4, cached, new, causal, "cpu")      # a write beyond owned pages is skipped
         case.md.slot_mapping[-1] = -1
         check_against_vanilla(fi, case)
@@ -325,9 +339,11 @@ def test_mla_absorbed_matches_vanilla(fi_backend, causal, new):
 
 
 @gpu
-def test_gqa_cuda_graph_replay_matches_vanilla(fi_backend):
-    """Capture backend.forward once for (bucket 4, q 3); replay on fresh metadata each time."""
-    bucket, q, p, max_pages = 4, 3, 16, 12
+@pytest.mark.parametrize("q", [3, 1], ids=["verify", "decode"])
+def test_gqa_cuda_graph_replay_matches_vanilla(fi_backend, q):
+    """Capture backend.forward once for (bucket 4, q); replay on fresh metadata each time (q = 1:
+    the decode kernel's graph wrapper)."""
+    bucket, p, max_pages = 4, 16, 12
     cases = [make_case(30 + i, cached, [q] * bucket, True, "cuda", hq=9, hkv=3, p=p)
              for i, cached in enumerate([[5, 40, 17, 60], [0, 3, 90, 33], [120, 1, 44, 8]])]
     n_pages = max(c.cache.shape[0] for c in cases)
