@@ -51,24 +51,24 @@ def _perturbed(model) -> None:
         model.model.layers[0].mlp.down_proj.weight.mul_(1.5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32])
-def test_eager_regions_are_the_module_path(tiny_llama_dir, dtype):
-    model = load_target_model(tiny_llama_dir, dtype, torch.device("cpu"))
-    want = _logits(model, torch.device("cpu"))
-    model.use_regions(LayerRegions.eager())
-    assert torch.equal(_logits(model, torch.device("cpu")), want)
+def _regions_vs_modules(folder, dtype, device, regions: LayerRegions, tol: float, control: float) -> None:
+    """The model's logits with `regions` are within `tol` (relative; 0: bitwise) of its module path,
+    and with one weight perturbed beyond `control` (the regions read the weights passed in)."""
+    model = load_target_model(folder, dtype, device)
+    want = _logits(model, device)
+    model.use_regions(regions)
+    got = _logits(model, device)
+    assert torch.equal(got, want) if tol == 0 else _rel(got, want) < tol
     _perturbed(model)
-    assert _rel(_logits(model, torch.device("cpu")), want) > 1e-2
+    assert _rel(_logits(model, device), want) > control
+
+
+def test_eager_regions_are_the_module_path(tiny_llama_dir):
+    _regions_vs_modules(tiny_llama_dir, torch.float32, torch.device("cpu"), LayerRegions.eager(), 0, 1e-2)
 
 
 def test_inductor_regions_match_eager_on_cpu(tiny_llama_dir, make_llm):
-    cpu = torch.device("cpu")
-    model = load_target_model(tiny_llama_dir, torch.float32, cpu)
-    want = _logits(model, cpu)
-    model.use_regions(LayerRegions.inductor())
-    assert _rel(_logits(model, cpu), want) < 1e-4
-    _perturbed(model)
-    assert _rel(_logits(model, cpu), want) > 1e-2      # the compiled code reads the weights passed in
+    _regions_vs_modules(tiny_llama_dir, torch.float32, torch.device("cpu"), LayerRegions.inductor(), 1e-4, 1e-2)
 
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = [[5, 6, 7], [40, 41, 42, 43, 44]]
@@ -89,13 +89,7 @@ def test_regions_need_fused_projections(tiny_llama_dir):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_inductor_regions_on_gpu(llama64_dir, make_llm, hf_reference):
-    cuda = torch.device("cuda")
-    model = load_target_model(llama64_dir, torch.bfloat16, cuda)
-    want = _logits(model, cuda)
-    model.use_regions(LayerRegions.inductor())
-    assert _rel(_logits(model, cuda), want) < 2e-2
-    _perturbed(model)
-    assert _rel(_logits(model, cuda), want) > 5e-2
+    _regions_vs_modules(llama64_dir, torch.bfloat16, torch.device("cuda"), LayerRegions.inductor(), 2e-2, 5e-2)
 
     sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = [[5, 6, 7], [40, 41, 42, 43, 44], list(range(100, 140))]
