@@ -103,9 +103,12 @@ def test_build_llm_args_batch_wait_knobs(tiny_model, tmp_path):
 
 # ---- the limiter and the stats on a fake LLM (no engine) ---------------------------------
 class _FakeLLM:
-    """generate_async finishes each request after a few ms on a timer thread; tracks in-flight."""
+    """generate_async finishes each request on a timer thread, a few ms after `hold` requests have
+    been in flight at once (or 5 s at most: a slow machine's thread start does not decide the
+    peak); tracks in-flight."""
 
-    def __init__(self):
+    def __init__(self, hold: int = 1):
+        self.hold = hold
         self.in_flight = self.peak = self.submitted = self.kv_peak = 0
         self.lock = threading.Lock()
         self.capacity_report = {"tokens_per_block": 32, "max_tokens": 1024}
@@ -131,6 +134,9 @@ class _FakeLLM:
         t0 = time.perf_counter()
 
         def finish():
+            deadline = time.perf_counter() + 5.0
+            while self.peak < self.hold and time.perf_counter() < deadline:
+                time.sleep(0.002)
             with self.lock:
                 self.in_flight -= 1
             out.metrics.update(ttft_s=0.002, e2e_s=time.perf_counter() - t0)
@@ -141,7 +147,7 @@ class _FakeLLM:
 
 @pytest.mark.parametrize("c", [1, 3, 16])
 def test_run_concurrency_caps_in_flight(c):
-    llm = _FakeLLM()
+    llm = _FakeLLM(hold=min(c, 10))
     row = bm.run_concurrency(llm, [[1, 2, 3]] * 10, c, SamplingParams(max_tokens=5))
     assert llm.submitted == 10 and llm.peak == min(c, 10)
     assert row["num_requests"] == 10 and row["output_tokens"] == 50 and row["input_tokens"] == 30
