@@ -14,12 +14,21 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import ClassVar, Optional
+from typing import ClassVar, Optional, Sequence
 
+import numpy as np
 import torch
 
 BAD_PAGE_INDEX = -1
 """Sentinel in block tables for an unallocated page. Never page 0."""
+
+
+def host_ints(values: Sequence[int] | np.ndarray, device: torch.device, dtype: torch.dtype = torch.int64
+              ) -> torch.Tensor:
+    """Python ints or a numpy array -> a `dtype` tensor on `device`, copied from pinned memory (no wait
+    on the GPU queue). The one host -> device path for step metadata, from the backends up."""
+    t = torch.as_tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 @dataclass(frozen=True)

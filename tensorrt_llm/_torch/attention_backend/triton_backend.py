@@ -19,15 +19,9 @@ from itertools import accumulate
 import torch
 
 from .flashinfer_backend import cache_write_rows, scatter_rows
-from .interface import AttentionBackend, AttentionMetadata, BackendCapabilities, write_slots
+from .interface import AttentionBackend, AttentionMetadata, BackendCapabilities, host_ints, write_slots
 
 LENS_KEY, QO_KEY, VALID_KEY = "triton_kv_lens", "triton_qo_indptr", "triton_slots_valid"
-
-
-def _host_to(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host ints -> a tensor on `device`, from pinned memory without waiting for the GPU queue."""
-    t = torch.tensor(values, dtype=dtype)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 class TritonAttention(AttentionBackend):
@@ -59,14 +53,14 @@ class TritonAttention(AttentionBackend):
             raise ValueError("attention backend TRITON does not support sliding windows")
         dev = md.block_tables.device
         if md.kv_lens_device is None:
-            lens = _host_to(md.kv_lens, torch.int32, dev)
+            lens = host_ints(md.kv_lens, dev, torch.int32)
             kept = md.extras.get(LENS_KEY)
             if md.graph_shape is not None and kept is not None:
                 kept.copy_(lens, non_blocking=True)    # a captured graph reads this tensor
             else:
                 md.extras[LENS_KEY] = lens
         if len(set(md.seq_lens)) > 1:
-            md.extras[QO_KEY] = _host_to(list(accumulate(md.seq_lens, initial=0)), torch.int32, dev)
+            md.extras[QO_KEY] = host_ints(list(accumulate(md.seq_lens, initial=0)), dev, torch.int32)
         else:
             md.extras.pop(QO_KEY, None)
         md.extras[VALID_KEY] = md.all_slots_valid()

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -38,9 +38,9 @@ import torch
 from ..attention_backend.interface import BAD_PAGE_INDEX, AttentionBackend, AttentionMetadata
 from ..runtime.cuda_graph import (GraphCache, GraphEntry, batch_buckets, check_graph_support, fill_padded,
                                   flat_rows, owned_rows)
-from ..runtime.sampler import host_ints
+from ..attention_backend.interface import host_ints
 from ..runtime.step import ForwardOutput
-from ..runtime.token_rows import TokenRow, VerifyTokens
+from ..runtime.token_rows import TokenRow, VerifyTokens, group_by_pending
 from .kv_cache.resource_manager import KVCacheManager
 
 logger = logging.getLogger("tensorrt_llm")
@@ -48,44 +48,33 @@ logger = logging.getLogger("tensorrt_llm")
 
 def gather_drafts(dst: torch.Tensor, tokens: Sequence[VerifyTokens], rows: Sequence[int]) -> None:
     """dst [bucket, q] input ids on the device: row rows[n] columns 1.. <- tokens[n]'s drafts, read
-    from their `PendingTokens` device tensors (one copy per source when the rows are
-    consecutive, else one gather), queued behind the draft step that produced them."""
-    groups: dict[int, tuple[Any, list[int], list[int]]] = {}
-    for j, t in zip(rows, tokens):
+    from their `PendingTokens` device tensors, queued behind the draft step that produced them."""
+    for t in tokens:
         if len(t) != dst.shape[1]:
             raise ValueError(f"verify segment of {len(t)} tokens in a graph of {dst.shape[1]}")
-        pend = t.drafts.pending
-        g = groups.setdefault(id(pend), (pend, [], []))
-        g[1].append(j)
-        g[2].append(t.drafts.index)
-    k = dst.shape[1] - 1
-    for pend, js, src in groups.values():
-        n = len(js)
-        if js == list(range(js[0], js[0] + n)) and src == list(range(src[0], src[0] + n)):
-            dst[js[0]:js[0] + n, 1:].copy_(pend.device[src[0]:src[0] + n, :k])
-        else:
-            dev = dst.device
-            dst[:, 1:].index_copy_(0, host_ints(js, dev), pend.device.index_select(0, host_ints(src, dev))[:, :k])
+    _gather(dst[:, 1:], [t.drafts for t in tokens], rows)
 
 
 def gather_rows(dst: torch.Tensor, tokens: Sequence[TokenRow], rows: Sequence[int]) -> None:
     """dst [bucket, q] input ids on the device: row rows[n] <- tokens[n] (a whole segment still on the
     device, e.g. the overlap scheduler's previous token), queued behind the step that chose it."""
-    q = dst.shape[1]
-    groups: dict[int, tuple[Any, list[int], list[int]]] = {}
-    for j, t in zip(rows, tokens):
-        if len(t) != q:
-            raise ValueError(f"segment of {len(t)} device tokens in a graph of {q}")
-        g = groups.setdefault(id(t.pending), (t.pending, [], []))
-        g[1].append(j)
-        g[2].append(t.index)
-    for pend, js, src in groups.values():
-        n = len(js)
+    for t in tokens:
+        if len(t) != dst.shape[1]:
+            raise ValueError(f"segment of {len(t)} device tokens in a graph of {dst.shape[1]}")
+    _gather(dst, tokens, rows)
+
+
+def _gather(dst: torch.Tensor, tokens: Sequence[TokenRow], rows: Sequence[int]) -> None:
+    """dst [bucket, k] (a view): row rows[n] <- tokens[n] (k ids each); one copy per producing step
+    when its rows are consecutive on both sides, else one gather."""
+    k = dst.shape[1]
+    for pend, js, toks in group_by_pending(tokens, rows):
+        n, src = len(js), [t.index for t in toks]
         if js == list(range(js[0], js[0] + n)) and src == list(range(src[0], src[0] + n)):
-            dst[js[0]:js[0] + n].copy_(pend.device[src[0]:src[0] + n, :q])
+            dst[js[0]:js[0] + n].copy_(pend.device[src[0]:src[0] + n, :k])
         else:
             dev = dst.device
-            dst.index_copy_(0, host_ints(js, dev), pend.device.index_select(0, host_ints(src, dev))[:, :q])
+            dst.index_copy_(0, host_ints(js, dev), pend.device.index_select(0, host_ints(src, dev))[:, :k])
 
 
 class StepPlan(NamedTuple):

@@ -30,9 +30,9 @@ import torch
 
 from ..attention_backend.interface import AttentionBackend
 from ..runtime.cuda_graph import GraphCache, GraphEntry
-from ..runtime.sampler import host_ints
+from ..attention_backend.interface import host_ints
 from ..runtime.step import ForwardOutput, ForwardSegment
-from ..runtime.token_rows import TokenRow, PendingTokens, VerifyTokens
+from ..runtime.token_rows import TokenRow, VerifyTokens, group_by_pending
 from .kv_cache.resource_manager import KVCacheManager
 
 logger = logging.getLogger("tensorrt_llm")
@@ -84,15 +84,6 @@ class _Bucket:
     copied: Optional[torch.cuda.Event] = None   # the last host -> device copy of `host`
 
 
-def _add_device_tokens(groups: dict, row: TokenRow, dst0: int, k: int) -> None:
-    """Record that input rows dst0..dst0+k-1 take the first k ids of `row` (device-resident)."""
-    pend = row.pending
-    width = pend.device.shape[1]
-    g = groups.setdefault(id(pend), (pend, [], []))
-    g[1].extend(range(dst0, dst0 + k))
-    g[2].extend(range(row.index * width, row.index * width + k))
-
-
 class PiecewiseGraphRunner:
     """Replays a target forward over any packed segments as L + 1 graph pieces around eager attention."""
 
@@ -129,7 +120,8 @@ class PiecewiseGraphRunner:
         host = b.host
         ids, pos = host[0].numpy(), host[1].numpy()
         token_offsets, logits_offsets, rows = [], [], []
-        on_device: dict[int, tuple[PendingTokens, list[int], list[int]]] = {}
+        dev_rows: list[TokenRow] = []      # device-resident tokens and the offset of their first input row
+        dev_at: list[int] = []
         o = 0
         for seg, k in zip(segments, lens):
             token_offsets.append(o)
@@ -137,9 +129,11 @@ class PiecewiseGraphRunner:
             toks = seg.token_ids
             if isinstance(toks, VerifyTokens):       # anchor here, drafts gathered on the device
                 ids[o] = toks.anchor
-                _add_device_tokens(on_device, toks.drafts, o + 1, k - 1)
+                dev_rows.append(toks.drafts)
+                dev_at.append(o + 1)
             elif isinstance(toks, TokenRow):         # the overlap scheduler's token, still on the device
-                _add_device_tokens(on_device, toks, o, k)
+                dev_rows.append(toks)
+                dev_at.append(o)
             else:
                 ids[o:o + k] = toks
             pos[o:o + k] = np.arange(seg.start, seg.start + k)
@@ -149,7 +143,10 @@ class PiecewiseGraphRunner:
         pos[n:] = 0
         b.input_ids.copy_(host[0], non_blocking=True)
         b.positions.copy_(host[1], non_blocking=True)
-        for pend, dst, src in on_device.values():    # queued behind the step that made them
+        for pend, at, toks in group_by_pending(dev_rows, dev_at):   # queued behind the step that made them
+            width = pend.device.shape[1]
+            dst = [a + i for a, t in zip(at, toks) for i in range(len(t))]
+            src = [t.index * width + i for t in toks for i in range(len(t))]
             b.input_ids.index_copy_(0, host_ints(dst, self.device),
                                     pend.device.reshape(-1).index_select(0, host_ints(src, self.device)))
         if self.device.type == "cuda":

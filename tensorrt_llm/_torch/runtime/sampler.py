@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Sequence
 
-import numpy as np
 import torch
 
 from ...sampling_params import SamplingParams
+from ..attention_backend.interface import host_ints
 
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -91,14 +91,6 @@ def race_noise(keys: torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
     h = mix32(keys[:, None] ^ vocab_hash[None, :])
     u = ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
     return -torch.log(u)
-
-
-def host_ints(values: Sequence[int] | np.ndarray, device: torch.device, dtype: torch.dtype = torch.int64
-              ) -> torch.Tensor:
-    """Python ints or a numpy array -> a `dtype` tensor on `device`, copied from pinned memory (no wait
-    on the GPU queue)."""
-    t = torch.as_tensor(values, dtype=dtype)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 class Sampler:

@@ -89,6 +89,18 @@ class TokenRow(_HostInts):
         return f"TokenRow(row {self.index}, {self.k} ids)"
 
 
+def group_by_pending(rows: Sequence["TokenRow"], where: Sequence[int]
+                     ) -> list[tuple[PendingTokens, list[int], list["TokenRow"]]]:
+    """Device rows and their destinations grouped by the `PendingTokens` they belong to (first-seen
+    order): one gather per producing step when a consumer copies them into its inputs."""
+    groups: dict[int, tuple[PendingTokens, list[int], list[TokenRow]]] = {}
+    for w, r in zip(where, rows):
+        g = groups.setdefault(id(r.pending), (r.pending, [], []))
+        g[1].append(w)
+        g[2].append(r)
+    return list(groups.values())
+
+
 class VerifyTokens(_HostInts):
     """A verify segment's tokens [anchor, d1..dk] with device-resident drafts."""
 

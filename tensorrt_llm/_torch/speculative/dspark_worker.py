@@ -28,9 +28,10 @@ from ..models.dspark_config import DraftKVLayout
 from ..pyexecutor.kv_cache.kv_cache_spec import KVCacheSpec
 from ..pyexecutor.kv_cache.resource_manager import KVCacheManager
 from ..runtime.llm_request import LlmRequest, RequestState
-from ..runtime.sampler import Sampler, host_ints, processed_rows
+from ..attention_backend.interface import host_ints
+from ..runtime.sampler import Sampler, processed_rows
 from ..runtime.step import DraftsAhead, StepCommit, VerifiedSegment
-from ..runtime.token_rows import PendingTokens, TokenRow, VerifyTokens
+from ..runtime.token_rows import PendingTokens, TokenRow, VerifyTokens, group_by_pending
 from .accept_stats import AcceptStats
 from .interface import Drafter
 from .rejection_sampler import RejectionSampler, SpecDecodeMetadata, stack_verify_rows
@@ -159,21 +160,15 @@ class DSparkWorker(Drafter):
             if idx == list(range(idx[0], idx[0] + len(idx))):
                 return pend.device[idx[0]:idx[0] + len(idx), :k]
             return pend.device.index_select(0, host_ints(idx, device))[:, :k]
-        groups: dict[int, tuple[PendingTokens, list[int], list[int]]] = {}
         flat: list[int] = []
-        for j, d in enumerate(drafts):
-            if isinstance(d, TokenRow):
-                g = groups.setdefault(id(d.pending), (d.pending, [], []))
-                g[1].append(j)
-                g[2].append(d.index)
-                flat.extend([0] * k)
-            else:
-                flat.extend(list(d) + [0] * (k - len(d)))
+        for d in drafts:
+            flat.extend([0] * k if isinstance(d, TokenRow) else list(d) + [0] * (k - len(d)))
         out = host_ints(flat, device).view(len(reqs), k)
-        for pend, rows, idx in groups.values():
+        dev = [(j, d) for j, d in enumerate(drafts) if isinstance(d, TokenRow)]
+        for pend, rows, toks in group_by_pending([d for _, d in dev], [j for j, _ in dev]):
             w = min(k, pend.device.shape[1])
             out[:, :w].index_copy_(0, host_ints(rows, device),
-                                   pend.device.index_select(0, host_ints(idx, device))[:, :w])
+                                   pend.device.index_select(0, host_ints([t.index for t in toks], device))[:, :w])
         return out
 
     def accept(self, req: LlmRequest, verified: Sequence[int]) -> list[int]:

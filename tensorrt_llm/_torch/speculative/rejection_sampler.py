@@ -33,7 +33,8 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from ...sampling_params import SamplingParams
-from ..runtime.sampler import Sampler, host_ints, mix32, processed_rows
+from ..attention_backend.interface import host_ints
+from ..runtime.sampler import Sampler, mix32, processed_rows
 
 _POS_MUL, _POS_ADD = 0x85EBCA6B, 0x165667B1   # position hash constants (other than the vocab hash's)
 _M32 = 0xFFFFFFFF

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ...attention_backend.interface import BAD_PAGE_INDEX, AttentionMetadata
-from ...runtime.sampler import host_ints
+from ...attention_backend.interface import host_ints
 from .block_pool import BlockPool, chain_hash
 from .kv_cache_spec import KVCacheSpec
 
