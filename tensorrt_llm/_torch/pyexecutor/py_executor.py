@@ -20,6 +20,7 @@ from typing import Callable, Optional, Sequence, TypeVar
 
 import torch
 
+from ..runtime.device import is_device_fault
 from ..runtime.llm_request import LlmRequest, RequestState
 from ..runtime.sampler import Sampler
 from ..runtime.step import DraftsAhead, ForwardOutput, ForwardSegment, StepCommit, VerifiedSegment
@@ -184,7 +185,7 @@ class PyExecutor:
             try:
                 out = self.engine.forward(segments)
             except Exception as e:   # not a device fault: fail this step's requests, keep serving
-                if _is_fatal(e):
+                if is_device_fault(e):
                     raise
                 for req in reqs:
                     self._fail(req, e)
@@ -246,7 +247,7 @@ class PyExecutor:
                 if self.kv.wants_commit(req.request_id, committed):
                     self.kv.commit(req.request_id, req.all_token_ids, committed)
             except Exception as e:
-                if _is_fatal(e):
+                if is_device_fault(e):
                     raise
                 self._fail(req, e)
 
@@ -282,7 +283,7 @@ class PyExecutor:
                     if kv.has_draft_pool:
                         kv.mark_draft_written(rid, req.prompt_len)
                 except Exception as e:
-                    if _is_fatal(e):
+                    if is_device_fault(e):
                         raise
                     self._fail(req, e)
             self._retire_finished()
@@ -350,7 +351,7 @@ class PyExecutor:
             try:
                 ahead = drafter.draft_ahead(segs, ver, out.captured)
             except Exception as e:   # not fatal: the requests draft after the update instead
-                if _is_fatal(e):
+                if is_device_fault(e):
                     raise
                 logger.error("draft_ahead failed (%s: %s); drafting after the update", type(e).__name__, e)
         host = copy.rows()[0] if copy is not None else []
@@ -380,7 +381,7 @@ class PyExecutor:
         try:
             return [fn(items)]
         except Exception as e:
-            if _is_fatal(e):
+            if is_device_fault(e):
                 raise
             if len(items) == 1:
                 self._fail(owner(items[0]), e)
@@ -390,7 +391,7 @@ class PyExecutor:
             try:
                 out.append(fn([item]))
             except Exception as e:
-                if _is_fatal(e):
+                if is_device_fault(e):
                     raise
                 self._fail(owner(item), e)
         return out
@@ -430,7 +431,7 @@ class PyExecutor:
                 if kv.wants_commit(req.request_id, req.num_computed):
                     kv.commit(req.request_id, req.all_token_ids, req.num_computed)
             except Exception as e:
-                if _is_fatal(e):
+                if is_device_fault(e):
                     raise
                 self._fail(req, e)
         return commits
@@ -520,12 +521,6 @@ class PyExecutor:
             cb(req, new_tokens)
         if req.is_finished:
             self._callbacks.pop(req.request_id, None)
-
-
-def _is_fatal(e: Exception) -> bool:
-    """An error that leaves the device in an unknown state (every in-flight request fails)."""
-    return isinstance(e, (torch.cuda.OutOfMemoryError, MemoryError)) or "CUDA error" in str(e) \
-        or type(e).__name__ == "AcceleratorError"
 
 
 @dataclass

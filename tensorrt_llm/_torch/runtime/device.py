@@ -1,4 +1,4 @@
-"""Device and dtype names of the args -> torch objects."""
+"""Device and dtype names of the args -> torch objects; which errors are device faults."""
 from __future__ import annotations
 
 from typing import Optional
@@ -25,3 +25,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in _MODEL_DTYPES:
         raise ValueError(f"dtype {name!r} unknown; known: auto, {', '.join(_MODEL_DTYPES)}")
     return _MODEL_DTYPES[name]
+
+
+def is_device_fault(e: BaseException) -> bool:
+    """An error that leaves the device in an unknown state (out of memory, a CUDA error): the
+    executor fails every in-flight request; no component may recover from it on its own."""
+    return isinstance(e, (torch.cuda.OutOfMemoryError, MemoryError)) or "CUDA error" in str(e) \
+        or type(e).__name__ == "AcceleratorError"

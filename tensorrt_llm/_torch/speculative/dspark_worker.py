@@ -27,6 +27,7 @@ from ..attention_backend.resolver import Resolution, create_backend
 from ..models.dspark_config import DraftKVLayout
 from ..pyexecutor.kv_cache.kv_cache_spec import KVCacheSpec
 from ..pyexecutor.kv_cache.resource_manager import KVCacheManager
+from ..runtime.device import is_device_fault
 from ..runtime.llm_request import LlmRequest, RequestState
 from ..attention_backend.interface import host_ints
 from ..runtime.sampler import Sampler, processed_rows
@@ -193,7 +194,7 @@ class DSparkWorker(Drafter):
         try:
             return self.graph_runner.launch(segments, [s.num_tokens for s in segments], verified, captured)
         except RuntimeError as e:   # a capture the runtime refuses: serve eagerly from now on
-            if "CUDA error" in str(e):
+            if is_device_fault(e):
                 raise
             logger.error("draft CUDA graph failed (%s); drafting eagerly from now on", e)
             self.graph_runner = None

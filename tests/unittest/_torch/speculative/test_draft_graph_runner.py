@@ -272,3 +272,25 @@ def test_verify_gathers_draft_rows_of_several_steps_on_the_device(monkeypatch):
     assert got == [[4, 5, 6], [20, 21], [11, 12], [1, 2]]
     with pytest.raises(AssertionError, match="read on the host"):     # control: reading a row does
         list(reqs[0].draft_tokens)
+
+
+@pytest.mark.parametrize("error,recovers", [(RuntimeError("capture refused"), True),
+                                            (torch.cuda.OutOfMemoryError("CUDA out of memory"), False),
+                                            (RuntimeError("CUDA error: an illegal memory access"), False)])
+def test_draft_ahead_turns_the_graph_off_only_for_non_device_errors(tiny_llama_dir, error, recovers):
+    """A launch the runtime refuses: drafting goes eager from then on; a device fault propagates (the
+    executor fails every request) and the graph stays as it was."""
+    worker, kv, _ = _worker(tiny_llama_dir, "gqa")
+
+    class Failing:
+        def launch(self, *a):
+            raise error
+    worker.graph_runner = runner = Failing()
+    items = [VerifiedSegment(_req(0, 20, 2), 0, 20, Q, 0)]
+    if recovers:
+        assert worker.draft_ahead(items, torch.zeros(1, Q, dtype=torch.long), torch.zeros(Q, 8)) is None
+        assert worker.graph_runner is None and worker.graph_backend.startswith("off after an error")
+    else:
+        with pytest.raises(type(error)):
+            worker.draft_ahead(items, torch.zeros(1, Q, dtype=torch.long), torch.zeros(Q, 8))
+        assert worker.graph_runner is runner
