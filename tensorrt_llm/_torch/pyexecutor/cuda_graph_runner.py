@@ -35,10 +35,9 @@ from typing import NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
-from ..attention_backend.interface import BAD_PAGE_INDEX, AttentionBackend, AttentionMetadata
+from ..attention_backend.interface import BAD_PAGE_INDEX, AttentionBackend, AttentionMetadata, host_ints
 from ..runtime.cuda_graph import (GraphCache, GraphEntry, batch_buckets, check_graph_support, fill_padded,
                                   flat_rows, owned_rows)
-from ..attention_backend.interface import host_ints
 from ..runtime.step import ForwardOutput
 from ..runtime.token_rows import TokenRow, VerifyTokens, group_by_pending
 from .kv_cache.resource_manager import KVCacheManager

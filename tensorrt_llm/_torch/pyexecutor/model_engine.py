@@ -8,8 +8,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..attention_backend.interface import AttentionBackend
-from ..attention_backend.interface import host_ints
+from ..attention_backend.interface import AttentionBackend, host_ints
 from ..runtime.step import ForwardOutput, ForwardSegment
 from .cuda_graph_runner import CUDAGraphRunner
 from .kv_cache.resource_manager import KVCacheManager

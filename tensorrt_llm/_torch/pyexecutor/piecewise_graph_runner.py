@@ -28,9 +28,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from ..attention_backend.interface import AttentionBackend
+from ..attention_backend.interface import AttentionBackend, host_ints
 from ..runtime.cuda_graph import GraphCache, GraphEntry
-from ..attention_backend.interface import host_ints
 from ..runtime.step import ForwardOutput, ForwardSegment
 from ..runtime.token_rows import TokenRow, VerifyTokens, group_by_pending
 from .kv_cache.resource_manager import KVCacheManager

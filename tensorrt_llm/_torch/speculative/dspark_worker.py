@@ -22,14 +22,13 @@ from typing import Optional, Sequence
 import torch
 
 from ...llmapi.llm_args import DSparkDecodingConfig
-from ..attention_backend.interface import AttentionBackend, AttentionMetadata
+from ..attention_backend.interface import AttentionBackend, AttentionMetadata, host_ints
 from ..attention_backend.resolver import Resolution, create_backend
 from ..models.dspark_config import DraftKVLayout
 from ..pyexecutor.kv_cache.kv_cache_spec import KVCacheSpec
 from ..pyexecutor.kv_cache.resource_manager import KVCacheManager
 from ..runtime.device import is_device_fault
 from ..runtime.llm_request import LlmRequest, RequestState
-from ..attention_backend.interface import host_ints
 from ..runtime.sampler import Sampler, processed_rows
 from ..runtime.step import DraftsAhead, StepCommit, VerifiedSegment
 from ..runtime.token_rows import PendingTokens, TokenRow, VerifyTokens, group_by_pending

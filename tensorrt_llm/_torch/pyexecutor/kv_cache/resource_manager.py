@@ -24,8 +24,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from ...attention_backend.interface import BAD_PAGE_INDEX, AttentionMetadata
-from ...attention_backend.interface import host_ints
+from ...attention_backend.interface import BAD_PAGE_INDEX, AttentionMetadata, host_ints
 from .block_pool import BlockPool, chain_hash
 from .kv_cache_spec import KVCacheSpec
 
