@@ -4,7 +4,7 @@
                         warm-up on a side stream, then capture; replay and capture counters)
     owned_rows        : the one owned-slot rule (a request's rows replay only when every slot it
                         writes lies in pages it owns)
-    pack_graph_inputs : pad B real segments to a batch bucket with padding requests that live in the
+    fill_padded       : pad B real segments to a batch bucket with padding requests that live in the
                         KV manager's scratch page (`KVCacheManager.scratch_page`)
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, Callable, Generic, Hashable, Optional, Sequence, TypeVar
 import numpy as np
 import torch
 
-from ..attention_backend.interface import BAD_PAGE_INDEX, AttentionBackend
+from ..attention_backend.interface import AttentionBackend
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -57,43 +57,6 @@ def capture_graph(fn: Callable[[], Any], device: torch.device, pool) -> tuple[to
     with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         out = fn()
     return graph, out
-
-
-@dataclass
-class GraphInputs:
-    """Host-side inputs of one padded graph step (all CPU tensors)."""
-
-    input_ids: torch.Tensor     # [bucket * q] int64
-    positions: torch.Tensor     # [bucket * q] int64
-    slot_mapping: torch.Tensor  # [bucket * q] int64, every slot >= 0
-    block_tables: torch.Tensor  # [bucket, max_pages] int32, BAD_PAGE_INDEX when unallocated
-    num_cached: list[int]       # [bucket]
-
-
-def pack_graph_inputs(token_ids: Sequence[Sequence[int]], starts: Sequence[int],
-                      slots: Sequence[Sequence[int]], block_tables: torch.Tensor, bucket: int,
-                      q: int, max_pages: int, scratch_page: int, page_size: int) -> GraphInputs:
-    """Pad B real segments (q tokens each) to `bucket` requests.
-
-    token_ids, slots: [B][q] (lists or an array); block_tables: [B, w] int32 CPU (w <= max_pages).
-    Padding requests attend over their own q tokens at positions 0..q-1 in `scratch_page`;
-    their outputs are discarded.
-    """
-    b = len(token_ids)
-    if not 0 < b <= bucket or q > page_size:
-        raise ValueError(f"cannot pad {b} requests of {q} tokens to bucket {bucket} (page {page_size})")
-    n, used = bucket * q, b * q
-    ids = np.zeros(n, dtype=np.int64)
-    pos = np.empty(n, dtype=np.int64)
-    slot = np.empty(n, dtype=np.int64)
-    ids[:used] = flat_rows(token_ids, used, "token_ids")
-    slot[:used] = flat_rows(slots, used, "slots")
-    fill_padded(pos, slot, np.asarray(starts, dtype=np.int64), b, bucket, q, scratch_page, page_size)
-    bt = torch.full((bucket, max_pages), BAD_PAGE_INDEX, dtype=torch.int32)
-    bt[:b, :block_tables.shape[1]] = block_tables
-    bt[b:, 0] = scratch_page
-    return GraphInputs(torch.from_numpy(ids), torch.from_numpy(pos), torch.from_numpy(slot), bt,
-                       list(starts) + [0] * (bucket - b))
 
 
 def flat_rows(rows: Sequence[Sequence[int]] | np.ndarray, count: int, what: str) -> np.ndarray:

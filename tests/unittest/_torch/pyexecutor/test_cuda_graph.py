@@ -10,11 +10,53 @@ CPU: bucket choice, input padding, and a clear error for use_cuda_graph without 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
 import pytest
 import torch
 
 from tensorrt_llm._torch.attention_backend.interface import BAD_PAGE_INDEX
-from tensorrt_llm._torch.runtime.cuda_graph import batch_buckets, pack_graph_inputs
+from tensorrt_llm._torch.runtime.cuda_graph import batch_buckets, fill_padded, flat_rows
+
+@dataclass
+class GraphInputs:
+    """Host-side inputs of one padded graph step (all CPU tensors)."""
+
+    input_ids: torch.Tensor     # [bucket * q] int64
+    positions: torch.Tensor     # [bucket * q] int64
+    slot_mapping: torch.Tensor  # [bucket * q] int64, every slot >= 0
+    block_tables: torch.Tensor  # [bucket, max_pages] int32, BAD_PAGE_INDEX when unallocated
+    num_cached: list[int]       # [bucket]
+
+
+def pack_graph_inputs(token_ids: Sequence[Sequence[int]], starts: Sequence[int],
+                      slots: Sequence[Sequence[int]], block_tables: torch.Tensor, bucket: int,
+                      q: int, max_pages: int, scratch_page: int, page_size: int) -> GraphInputs:
+    """Pad B real segments (q tokens each) to `bucket` requests (the host values a graph step stages,
+    built from the runners' own `flat_rows` / `fill_padded`).
+
+    token_ids, slots: [B][q] (lists or an array); block_tables: [B, w] int32 CPU (w <= max_pages).
+    Padding requests attend over their own q tokens at positions 0..q-1 in `scratch_page`;
+    their outputs are discarded.
+    """
+    b = len(token_ids)
+    if not 0 < b <= bucket or q > page_size:
+        raise ValueError(f"cannot pad {b} requests of {q} tokens to bucket {bucket} (page {page_size})")
+    n, used = bucket * q, b * q
+    ids = np.zeros(n, dtype=np.int64)
+    pos = np.empty(n, dtype=np.int64)
+    slot = np.empty(n, dtype=np.int64)
+    ids[:used] = flat_rows(token_ids, used, "token_ids")
+    slot[:used] = flat_rows(slots, used, "slots")
+    fill_padded(pos, slot, np.asarray(starts, dtype=np.int64), b, bucket, q, scratch_page, page_size)
+    bt = torch.full((bucket, max_pages), BAD_PAGE_INDEX, dtype=torch.int32)
+    bt[:b, :block_tables.shape[1]] = block_tables
+    bt[b:, 0] = scratch_page
+    return GraphInputs(torch.from_numpy(ids), torch.from_numpy(pos), torch.from_numpy(slot), bt,
+                       list(starts) + [0] * (bucket - b))
+
 
 TOL = 2e-2
 NEG_MIN = 0.2
