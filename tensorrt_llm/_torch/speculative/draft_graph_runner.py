@@ -34,7 +34,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from ..attention_backend.interface import BAD_PAGE_INDEX, AttentionBackend, AttentionMetadata
+from ..attention_backend.interface import BAD_PAGE_INDEX, AttentionBackend, AttentionMetadata, host_ints
 from ..pyexecutor.kv_cache.resource_manager import KVCacheManager
 from ..runtime.cuda_graph import GraphCache, GraphEntry, batch_buckets, check_graph_support, fill_padded, owned_rows
 from ..runtime.llm_request import RequestState
@@ -138,13 +138,13 @@ class DraftGraphRunner:
         if row0s == list(range(row0s[0], row0s[0] + b * q, q)):
             group_captured = captured[row0s[0]:row0s[0] + b * q]
         else:
-            sel = (torch.tensor(row0s, dtype=torch.long).view(-1, 1) + torch.arange(q)).view(-1)
-            group_captured = captured.index_select(0, sel.to(captured.device))
+            sel = (np.asarray(row0s, dtype=np.int64)[:, None] + np.arange(q)).reshape(-1)
+            group_captured = captured.index_select(0, host_ints(sel, captured.device))
         vrows = [it.verify_row for it in group]
         if vrows == list(range(vrows[0], vrows[0] + b)):
             group_verified = verified[vrows[0]:vrows[0] + b]
         else:
-            group_verified = verified.index_select(0, torch.tensor(vrows, dtype=torch.long).to(verified.device))
+            group_verified = verified.index_select(0, host_ints(vrows, verified.device))
         entry = self.graphs.entry(plan.bucket, lambda: self._new_entry(plan.bucket, captured.shape[1],
                                                                         captured.dtype))
         self._load_inputs(entry, b, group_captured, group_verified, plan)

@@ -156,7 +156,7 @@ class RejectionSampler:
         k, dev = k1 - 1, logits.device
         params = [meta.params[i] for i in rand]
         rids = [meta.request_ids[i] for i in rand]
-        at = torch.tensor(rand, dtype=torch.long).to(dev, non_blocking=True)
+        at = host_ints(rand, dev)
         # [R, K+1, V] processed target distributions (one SamplingParams per row)
         p = processed_rows(logits[at].reshape(-1, v), [x for x in params for _ in range(k1)]).view(-1, k1, v)
         ids = meta.draft_token_ids[at]
@@ -185,5 +185,5 @@ def stack_verify_rows(logits: torch.Tensor, offsets: Sequence[int], counts: Sequ
     if all(c == k1 for c in counts) and list(offsets) == list(range(offsets[0], offsets[0] + k1 * len(counts), k1)):
         return logits[offsets[0]:offsets[0] + k1 * len(counts)].view(len(counts), k1, -1)
     idx = [o + min(j, c - 1) for o, c in zip(offsets, counts) for j in range(k1)]
-    sel = torch.tensor(idx, dtype=torch.long).to(logits.device, non_blocking=True)
+    sel = host_ints(idx, logits.device)
     return logits.index_select(0, sel).view(len(counts), k1, -1)
