@@ -82,7 +82,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.regions: Optional[LayerRegions] = None   # `LlamaForCausalLM.use_regions`
+        self.regions: Optional[LayerRegions] = None   # set with the fused projections (`use_regions`)
 
     def attention_inputs(self, h: torch.Tensor, positions: torch.Tensor,
                          rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -173,10 +173,13 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(h)
 
     def fuse_projections(self) -> None:
-        """Inference-time GEMM fusion (q|k|v, gate|up); call after the final `.to(device, dtype)`."""
+        """Inference-time GEMM fusion (q|k|v, gate|up); call after the final `.to(device, dtype)`.
+        The layers then run the region functions over the fused weights (eager until `use_regions`
+        gives them compiled ones)."""
         for layer in self.model.layers:
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
+        self.use_regions(LayerRegions.eager())
 
     def use_regions(self, regions: LayerRegions) -> None:
         """Run every decoder layer's position-wise halves through `regions` (e.g. compiled by

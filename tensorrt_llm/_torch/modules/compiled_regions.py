@@ -12,8 +12,8 @@ piecewise, draft) capture the compiled code like any other. The functions take e
 an argument, so one compiled graph serves all layers (dynamo guards on shapes and dtypes, not
 on modules); token counts are dynamic (one trace for T = 1, one for any other T).
 
-`LayerRegions.eager()` runs the same functions uncompiled: the layers' own path, and the
-reference of the compiled one.
+`LayerRegions.eager()` runs the same functions uncompiled: what a loaded target runs by default
+(set with its fused projections), and the reference of the compiled one.
 """
 from __future__ import annotations
 

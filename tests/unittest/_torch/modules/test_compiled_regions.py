@@ -1,8 +1,8 @@
 """Decoder-layer regions (`compiled_regions`): the eager functions are the layers' own path, and the
 inductor-compiled ones agree with them.
 
-CPU (float32, tiny Llama, paged VANILLA forward): the eager regions give bitwise the module path's
-logits; the inductor regions agree within 1e-4 relative while a model with one perturbed weight
+CPU (float32, tiny Llama, paged VANILLA forward): the eager regions (what a loaded target runs) give
+bitwise the module path's logits; the inductor regions agree within 1e-4 relative while a model with one perturbed weight
 (negative control) lands far outside; `LLM(torch_compile_config=...)` decodes the same greedy
 tokens and reports its regions; layers without fused projections are refused.
 GPU (bf16, FLASHINFER + CUDA graphs): compiled vs eager regions' prompt logits within 2e-2
@@ -55,6 +55,8 @@ def _regions_vs_modules(folder, dtype, device, regions: LayerRegions, tol: float
     """The model's logits with `regions` are within `tol` (relative; 0: bitwise) of its module path,
     and with one weight perturbed beyond `control` (the regions read the weights passed in)."""
     model = load_target_model(folder, dtype, device)
+    for layer in model.model.layers:      # the module path
+        layer.regions = None
     want = _logits(model, device)
     model.use_regions(regions)
     got = _logits(model, device)
@@ -80,10 +82,11 @@ def test_inductor_regions_match_eager_on_cpu(tiny_llama_dir, make_llm):
 
 def test_regions_need_fused_projections(tiny_llama_dir):
     model = load_target_model(tiny_llama_dir, torch.float32, torch.device("cpu"))
+    assert all(layer.regions == LayerRegions.eager() for layer in model.model.layers)   # set by fusing
     model.model.layers[1].mlp._gate_up = None
     with pytest.raises(ValueError, match="layer 1: compiled regions need fused"):
-        model.use_regions(LayerRegions.eager())
-    assert all(layer.regions is None for layer in model.model.layers)   # nothing half-applied
+        model.use_regions(LayerRegions.inductor())
+    assert all(layer.regions == LayerRegions.eager() for layer in model.model.layers)   # nothing half-applied
 
 
 @pytest.mark.gpu
