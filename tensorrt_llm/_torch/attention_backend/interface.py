@@ -67,6 +67,8 @@ class AttentionMetadata:
     # [B] int32 on the device: num_cached + seq_lens, for backends with `device_lengths` (the
     # host lists above may then be stale placeholders)
     kv_lens_device: Optional[torch.Tensor] = None
+    # with kv_lens_device: a host upper bound of every KV length (None: the block tables' width)
+    kv_len_bound: Optional[int] = None
     # every slot_mapping entry >= 0, when the producer knows it on the host (None: backends look at
     # the device tensor once, a sync)
     slots_all_valid: Optional[bool] = None
@@ -159,3 +161,18 @@ def write_slots(cache_plane: torch.Tensor, values: torch.Tensor, slot_mapping: t
     p = cache_plane.shape[2]
     page, off = slot_mapping // p, slot_mapping % p
     cache_plane[page, :, off] = values.to(cache_plane.dtype)
+
+
+def device_positions(starts: torch.Tensor, q: int, block_tables: torch.Tensor, page_size: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions and slots of q new tokens per request, computed on the device (no host value).
+
+    starts [B] int64 (first new position per request), block_tables [B, W] int32 ->
+    (positions [B, q] int64, slot_mapping [B * q] int64; -1 where the page is BAD_PAGE_INDEX or
+    past the table)."""
+    pos = starts[:, None] + torch.arange(q, device=starts.device)
+    col = pos // page_size
+    w = block_tables.shape[1]
+    pages = block_tables.long().gather(1, col.clamp(max=w - 1))
+    slots = torch.where((pages >= 0) & (col < w), pages * page_size + pos % page_size, -1)
+    return pos, slots.view(-1)

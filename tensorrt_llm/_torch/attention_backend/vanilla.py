@@ -1,6 +1,8 @@
 """VANILLA attention: plain torch SDPA over gathered pages. Runs on CPU and CUDA.
 
-This is the reference every fast backend is tested against.
+This is the reference every fast backend is tested against. It also reads KV lengths computed on
+the device (`AttentionMetadata.kv_lens_device`): its masks then come from that tensor and its keys
+span a host bound (`kv_len_bound`, else the block tables' width), so no host value is needed.
 """
 from __future__ import annotations
 
@@ -19,7 +21,6 @@ class _Layout:
     def __init__(self, md: AttentionMetadata, device: torch.device):
         b = md.num_seqs
         self.q_max = max(md.seq_lens) if b else 0
-        self.kv_max = max(md.kv_lens) if b else 0
         bidx, qidx = [], []
         for i, s in enumerate(md.seq_lens):
             bidx.extend([i] * s)
@@ -27,9 +28,16 @@ class _Layout:
         self.batch_idx = torch.tensor(bidx, dtype=torch.long, device=device)
         self.q_idx = torch.tensor(qidx, dtype=torch.long, device=device)
         self.uniform = all(s == self.q_max for s in md.seq_lens)
-        cached = torch.tensor(md.num_cached, dtype=torch.long, device=device)
-        kv_len = torch.tensor(md.kv_lens, dtype=torch.long, device=device)
         seq = torch.tensor(md.seq_lens, dtype=torch.long, device=device)
+        if md.kv_lens_device is not None:   # lengths on the device: masks from them, keys up to a bound
+            kv_len = md.kv_lens_device.long()
+            cached = kv_len - seq
+            width = md.block_tables.shape[1] * md.tokens_per_block
+            self.kv_max = min(md.kv_len_bound or width, width) if b else 0
+        else:
+            cached = torch.tensor(md.num_cached, dtype=torch.long, device=device)
+            kv_len = torch.tensor(md.kv_lens, dtype=torch.long, device=device)
+            self.kv_max = max(md.kv_lens) if b else 0
         key_pos = torch.arange(self.kv_max, device=device)
         q_pos = cached[:, None] + torch.arange(self.q_max, device=device)[None, :]  # [B, Q]
         valid = key_pos[None, None, :] < kv_len[:, None, None]                      # [B, 1, K]
@@ -107,7 +115,7 @@ class VanillaAttention(AttentionBackend):
 
     name = "VANILLA"
     capabilities = BackendCapabilities(paged=True, mla=True, non_causal_block=True,
-                                       sliding_window=True, fp8_kv=True, cuda_graphs=False)
+                                       sliding_window=True, fp8_kv=True, cuda_graphs=False, device_lengths=True)
 
     def forward(self, q, k, v, kv_cache, metadata, scale):
         write_slots(kv_cache[:, 0], k, metadata.slot_mapping)

@@ -35,11 +35,12 @@ from typing import NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
-from ..attention_backend.interface import BAD_PAGE_INDEX, AttentionBackend, AttentionMetadata, host_ints
+from ..attention_backend.interface import (BAD_PAGE_INDEX, AttentionBackend, AttentionMetadata, device_positions,
+                                           host_ints)
 from ..runtime.cuda_graph import (GraphCache, GraphEntry, batch_buckets, check_graph_support, fill_padded,
                                   flat_rows, owned_rows)
 from ..runtime.step import ForwardOutput
-from ..runtime.token_rows import TokenRow, VerifyTokens, group_by_pending
+from ..runtime.token_rows import TokenRow, VerifyTokens, gather_firsts, group_by_pending
 from .kv_cache.resource_manager import KVCacheManager
 
 logger = logging.getLogger("tensorrt_llm")
@@ -63,17 +64,39 @@ def gather_rows(dst: torch.Tensor, tokens: Sequence[TokenRow], rows: Sequence[in
     _gather(dst, tokens, rows)
 
 
+def stage_input_ids(dst: torch.Tensor, segments) -> None:
+    """dst [B, q] int64 on the device <- the segments' tokens: host values in one pinned copy, then
+    device-resident drafts and rows gathered there (behind the steps that produced them)."""
+    b, q = dst.shape
+    host = np.zeros((b, q), dtype=np.int64)
+    lazy, rows = [], []
+    for j, seg in enumerate(segments):
+        t = seg.token_ids
+        if isinstance(t, VerifyTokens):
+            host[j, 0] = t.anchor
+            lazy.append(j)
+        elif isinstance(t, TokenRow):
+            rows.append(j)
+        else:
+            host[j] = t
+    dst.copy_(host_ints(host, dst.device).view(b, q))
+    if lazy:
+        gather_drafts(dst, [segments[j].token_ids for j in lazy], lazy)
+    if rows:
+        gather_rows(dst, [segments[j].token_ids for j in rows], rows)
+
+
 def _gather(dst: torch.Tensor, tokens: Sequence[TokenRow], rows: Sequence[int]) -> None:
     """dst [bucket, k] (a view): row rows[n] <- tokens[n] (k ids each); one copy per producing step
     when its rows are consecutive on both sides, else one gather."""
     k = dst.shape[1]
     for pend, js, toks in group_by_pending(tokens, rows):
-        n, src = len(js), [t.index for t in toks]
+        n, src, cols = len(js), [t.index for t in toks], slice(toks[0].offset, toks[0].offset + k)
         if js == list(range(js[0], js[0] + n)) and src == list(range(src[0], src[0] + n)):
-            dst[js[0]:js[0] + n].copy_(pend.device[src[0]:src[0] + n, :k])
+            dst[js[0]:js[0] + n].copy_(pend.device[src[0]:src[0] + n, cols])
         else:
             dev = dst.device
-            dst.index_copy_(0, host_ints(js, dev), pend.device.index_select(0, host_ints(src, dev))[:, :k])
+            dst.index_copy_(0, host_ints(js, dev), pend.device.index_select(0, host_ints(src, dev))[:, cols])
 
 
 class StepPlan(NamedTuple):
@@ -83,7 +106,8 @@ class StepPlan(NamedTuple):
     q: int
     slots: np.ndarray       # [B, q] int64, every slot >= 0
     rows: np.ndarray        # [B] int64 rows of kv.page_table
-    starts: np.ndarray      # [B] int64 first position of each segment
+    starts: np.ndarray      # [B] int64 first position of each segment (before any shift)
+    shifted: bool = False   # some segment is continued (`ForwardSegment.start_shift`)
 
 
 @dataclass
@@ -93,6 +117,9 @@ class _GraphEntry(GraphEntry):
 
     bucket: int = 0
     q: int = 0
+    # continued segments: start shifts [bucket] int64 gathered on the device; positions, slots and
+    # md.kv_lens_device are then computed in the graph from positions[:, 0] + shift
+    shift: Optional[torch.Tensor] = None
     input_ids: Optional[torch.Tensor] = None      # [bucket * q] int64, device (view of io)
     positions: Optional[torch.Tensor] = None      # [bucket * q] int64, device (view of io)
     md: Optional[AttentionMetadata] = None        # slot_mapping / block_tables: views of io
@@ -148,10 +175,12 @@ class CUDAGraphRunner:
         rids = [s.request_id for s in segments]
         rows = self.kv.rows(rids)
         starts = np.fromiter((s.start for s in segments), dtype=np.int64, count=len(segments))
-        slots = self.kv.slots_batch(rids, starts, q, rows=rows)
+        shifted = any(s.start_shift is not None for s in segments)
+        # a continued segment starts up to q positions later: all of those slots must be owned
+        slots = self.kv.slots_batch(rids, starts, 2 * q if shifted else q, rows=rows)
         if not owned_rows(slots).all():
             return None
-        return StepPlan(self._bucket(len(segments)), q, slots, rows, starts)
+        return StepPlan(self._bucket(len(segments)), q, slots[:, :q], rows, starts, shifted)
 
     # ---- run -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -163,17 +192,18 @@ class CUDAGraphRunner:
             self.num_declined += 1
             return None
         bucket, q = plan.bucket, plan.q
-        entry = self.graphs.entry((bucket, q), lambda: self._new_entry(bucket, q))
+        entry = self.graphs.entry((bucket, q, plan.shifted), lambda: self._new_entry(bucket, q, plan.shifted))
         self._load_inputs(entry, segments, plan)
         if entry.graph is None:
-            logger.info("capturing CUDA graph for batch bucket %d x %d tokens", bucket, q)
+            logger.info("capturing CUDA graph for batch bucket %d x %d tokens%s", bucket, q,
+                        " (continued segments)" if plan.shifted else "")
         logits, captured = self.graphs.replay(entry, self._forward)
         n = len(segments) * q
         cap = captured[:n].clone() if captured is not None else None
         offsets = list(range(0, n, q))
         return ForwardOutput(logits[:n].clone(), offsets, cap, offsets)
 
-    def _new_entry(self, bucket: int, q: int) -> _GraphEntry:
+    def _new_entry(self, bucket: int, q: int, shifted: bool = False) -> _GraphEntry:
         dev, max_pages = self.device, self.kv.max_blocks_per_seq
         words = 3 * bucket * q + -(-bucket * max_pages // 2)
         io = torch.zeros(words, dtype=torch.long, device=dev)
@@ -182,9 +212,12 @@ class CUDAGraphRunner:
         table.fill_(BAD_PAGE_INDEX)
         md = AttentionMetadata(seq_lens=[q] * bucket, num_cached=[0] * bucket, block_tables=table,
                                slot_mapping=slots, tokens_per_block=self.kv.tokens_per_block, causal=True)
+        if shifted:
+            md.kv_lens_device = torch.zeros(bucket, dtype=torch.int32, device=dev)
         views = tuple(t.numpy() for t in _io_views(host, bucket, q, max_pages))
         return _GraphEntry(bucket=bucket, q=q, input_ids=ids, positions=pos, md=md, io=io, host=host,
-                           host_views=views)
+                           host_views=views,
+                           shift=torch.zeros(bucket, dtype=torch.long, device=dev) if shifted else None)
 
     def _load_inputs(self, entry: _GraphEntry, segments, plan: StepPlan) -> None:
         """Stage the step's padded inputs in entry.host, copy them to entry.io in one copy, prepare.
@@ -224,13 +257,24 @@ class CUDAGraphRunner:
             gather_drafts(entry.input_ids.view(bucket, q), [segments[j].token_ids for j in lazy], lazy)
         if rows:
             gather_rows(entry.input_ids.view(bucket, q), [segments[j].token_ids for j in rows], rows)
+        if entry.shift is not None:
+            entry.shift.zero_()
+            at = [j for j, s in enumerate(segments) if s.start_shift is not None]
+            gather_firsts(entry.shift, [segments[j].start_shift for j in at], at)
         md = entry.md
         md.num_cached = plan.starts.tolist() + [0] * (bucket - b)
         md.graph_shape = (bucket, q, max_pages)
         self.backend.prepare(md)
 
     def _forward(self, entry: _GraphEntry) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        hidden, captured = self.model(entry.input_ids, entry.positions, self.kv_caches, entry.md,
+        positions, md = entry.positions, entry.md
+        if entry.shift is not None:     # continued segments: addressing from the device-side starts
+            start = positions.view(entry.bucket, entry.q)[:, 0] + entry.shift
+            pos, slots = device_positions(start, entry.q, md.block_tables, self.kv.tokens_per_block)
+            md.slot_mapping.copy_(slots)
+            md.kv_lens_device.copy_(start + entry.q)
+            positions = pos.view(-1)
+        hidden, captured = self.model(entry.input_ids, positions, self.kv_caches, md,
                                       self.backend, self.capture_layer_ids)
         logits = self.model.compute_logits(hidden)
         return logits, (torch.cat(captured, dim=-1) if captured else None)

@@ -8,9 +8,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..attention_backend.interface import AttentionBackend, host_ints
+from ..attention_backend.interface import AttentionBackend, AttentionMetadata, device_positions, host_ints
 from ..runtime.step import ForwardOutput, ForwardSegment
-from .cuda_graph_runner import CUDAGraphRunner
+from ..runtime.token_rows import gather_firsts
+from .cuda_graph_runner import CUDAGraphRunner, stage_input_ids
 from .kv_cache.resource_manager import KVCacheManager
 from .piecewise_graph_runner import PiecewiseGraphRunner
 
@@ -49,10 +50,20 @@ class ModelEngine:
             self.piecewise = PiecewiseGraphRunner(model, kv, backend, self.kv_caches, device,
                                                   max(max_num_tokens, tokens_per_gen), self.capture_layer_ids)
         self.num_eager_steps = 0
+        self.num_continued_steps = 0     # steps launched from the device rows of the step in flight
 
     @torch.inference_mode()
     def forward(self, segments: Sequence[ForwardSegment]) -> ForwardOutput:
-        """The target forward of the step's segments: logits of the wanted rows, captured rows."""
+        """The target forward of the step's segments: logits of the wanted rows, captured rows.
+        A step with continued segments (`start_shift`) runs the whole-step graph or `_continued`."""
+        if any(s.start_shift is not None for s in segments):
+            check_continued(segments, self.backend)
+            self.num_continued_steps += 1
+            out = self.graph_runner.run(segments) if self.graph_runner is not None else None
+            if out is not None:
+                return out
+            self.num_eager_steps += 1
+            return self._continued(segments)
         if self.graph_runner is not None:
             out = self.graph_runner.run(segments)
             if out is None and self.piecewise is not None:
@@ -87,3 +98,42 @@ class ModelEngine:
         logits = self.model.compute_logits(hidden[sel]) if rows else hidden.new_zeros(0, 1).float()
         cap = torch.cat(captured, dim=-1) if captured else None
         return ForwardOutput(logits, logits_offsets, cap, token_offsets)
+
+    def _continued(self, segments: Sequence[ForwardSegment]) -> ForwardOutput:
+        """The eager forward of generation segments of one length q whose starts may lie on the device
+        (start + start_shift): positions, slots and KV lengths are computed there, so no host value
+        of the step in flight is needed (the backend reads lengths on the device)."""
+        b, q, dev = len(segments), len(segments[0].token_ids), self.device
+        rids = [s.request_id for s in segments]
+        starts = host_ints([s.start for s in segments], dev)
+        shift = torch.zeros(b, dtype=torch.long, device=dev)
+        at = [j for j, s in enumerate(segments) if s.start_shift is not None]
+        gather_firsts(shift, [segments[j].start_shift for j in at], at)
+        start = starts + shift
+        table = host_ints(self.kv.page_table[self.kv.rows(rids)], dev, torch.int32)
+        pos, slots = device_positions(start, q, table, self.kv.tokens_per_block)
+        bound = max(s.start for s in segments) + 2 * q
+        md = AttentionMetadata(seq_lens=[q] * b, num_cached=[s.start for s in segments], block_tables=table,
+                               slot_mapping=slots, tokens_per_block=self.kv.tokens_per_block, causal=True,
+                               kv_lens_device=(start + q).to(torch.int32), kv_len_bound=bound)
+        self.backend.prepare(md)
+        ids = torch.empty(b, q, dtype=torch.long, device=dev)
+        stage_input_ids(ids, segments)
+        hidden, captured = self.model(ids.view(-1), pos.view(-1), self.kv_caches, md, self.backend,
+                                      self.capture_layer_ids)
+        logits = self.model.compute_logits(hidden)
+        offsets = list(range(0, b * q, q))
+        return ForwardOutput(logits, offsets, torch.cat(captured, dim=-1) if captured else None, offsets)
+
+
+def check_continued(segments: Sequence[ForwardSegment], backend: AttentionBackend) -> None:
+    """ValueError unless a step with continued segments can run: generation segments of one length,
+    logits for every token, and a backend that reads KV lengths on the device."""
+    if not backend.capabilities.device_lengths:
+        raise ValueError(f"continued segments need an attention backend that reads KV lengths on the device; "
+                         f"{backend.name} plans on the host")
+    q = len(segments[0].token_ids)
+    bad = [s.request_id for s in segments if len(s.token_ids) != q or s.num_logits != q]
+    if bad:
+        raise ValueError(f"a step with continued segments holds only generation segments of one length "
+                         f"({q}); requests {bad[:8]} differ")

@@ -145,7 +145,7 @@ class PiecewiseGraphRunner:
         for pend, at, toks in group_by_pending(dev_rows, dev_at):   # queued behind the step that made them
             width = pend.device.shape[1]
             dst = [a + i for a, t in zip(at, toks) for i in range(len(t))]
-            src = [t.index * width + i for t in toks for i in range(len(t))]
+            src = [t.index * width + t.offset + i for t in toks for i in range(len(t))]
             b.input_ids.index_copy_(0, host_ints(dst, self.device),
                                     pend.device.reshape(-1).index_select(0, host_ints(src, self.device)))
         if self.device.type == "cuda":

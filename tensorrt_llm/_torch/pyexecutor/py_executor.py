@@ -24,7 +24,7 @@ from ..runtime.device import is_device_fault
 from ..runtime.llm_request import LlmRequest, RequestState
 from ..runtime.sampler import Sampler
 from ..runtime.step import DraftsAhead, ForwardOutput, ForwardSegment, StepCommit, VerifiedSegment
-from ..runtime.token_rows import PendingTokens
+from ..runtime.token_rows import PendingTokens, segment_drafts
 from ..speculative.interface import Drafter
 from .kv_cache.resource_manager import KVCacheManager
 from .model_engine import ModelEngine
@@ -45,7 +45,12 @@ class PyExecutor:
         self.decode = decode
         self.drafter = drafter
         self.overlap = overlap and drafter is None
+        # DSpark steps overlap when the next verify step can be launched from device-side rows: the
+        # drafter launches its drafts there and the target backend reads KV lengths on the device
+        self.spec_overlap = (overlap and drafter is not None and drafter.drafts_on_device
+                             and engine.backend.capabilities.device_lengths)
         self._inflight: Optional[_OverlapStep] = None   # the launched step whose tokens are not read yet
+        self._spec_inflight: Optional[_SpecStep] = None  # the launched DSpark step not read yet
         self._abort_ids: set[int] = set()
         self._release_ids: set[int] = set()      # context-only requests whose held pages go back
         self._abort_lock = threading.Lock()
@@ -107,6 +112,7 @@ class PyExecutor:
         while not self._stop.is_set():
             self._drain_incoming()
             if not self.scheduler.has_work:
+                self._spec_inflight = None       # every request of it has finished
                 if self._release_ids:
                     self._apply_aborts_and_releases()
                 self._wake.wait(timeout=0.05)
@@ -126,6 +132,7 @@ class PyExecutor:
         """Finish every queued and in-flight request with error `reason` and notify its caller
         (running requests' pages are freed first)."""
         self._inflight = None            # a launched step's tokens are of no use to failed requests
+        self._spec_inflight = None
         with self._submit_lock:          # every group accepted so far is in the queue
             self._drain_incoming()
         waiting = list(self.scheduler.waiting)
@@ -160,11 +167,16 @@ class PyExecutor:
             self._import_prefilled(batch.imported)
         if self.overlap:
             batch.generation_requests = [r for r in batch.generation_requests if not _last_token_pending(r)]
+        if self._spec_inflight is not None:
+            self._continue_or_complete(batch)
         if batch.empty:
-            if self._inflight is not None:
+            if self._inflight is not None or self._spec_inflight is not None:
                 self._notices = []
                 try:
-                    self._read_overlapped()
+                    if self._inflight is not None:
+                        self._read_overlapped()
+                    else:
+                        self._complete_spec_inflight()
                     self._retire_finished()
                 finally:
                     self._flush_notices()
@@ -189,17 +201,22 @@ class PyExecutor:
                     raise
                 for req in reqs:
                     self._fail(req, e)
+                self._complete_spec_inflight()
                 self._retire_finished()
                 return
             if self.overlap:
                 self._launch_overlapped(reqs, segments, num_ctx, out)
             else:
-                chosen, verified, ahead = self._choose_tokens(reqs, segments, num_ctx, out)
-                commits = self._update_requests(reqs, segments, num_ctx, out, chosen, verified)
-                if self.drafter is not None and out.captured is not None and commits:
-                    self._isolated(lambda cs: self.drafter.draft(cs, out.captured, ahead), commits, lambda c: c.req)
-                for req in reqs:
-                    self._finish_context_only(req)
+                step = self._launch_choice(reqs, segments, num_ctx, out)
+                prev, self._spec_inflight = self._spec_inflight, None
+                if self.spec_overlap and step.deferrable:
+                    self._spec_inflight = step     # read at the next step, while the GPU runs it
+                    if prev is not None:
+                        self._complete(prev)
+                else:
+                    if prev is not None:
+                        self._complete(prev)
+                    self._complete(step)
             self._retire_finished()
         finally:
             self._flush_notices()
@@ -308,22 +325,26 @@ class PyExecutor:
             ensure(req.request_id, start + n + (room if finishes else 0))
             segments.append(ForwardSegment(req.request_id, req.prompt_token_ids[start:start + n],
                                            start, 1 if finishes else 0))
+        ahead = self._spec_inflight.ahead if self._spec_inflight is not None else None
         for req in batch.generation_requests:
-            start = req.num_computed
-            if self.drafter is not None:
+            start, shift = req.num_computed, None
+            if ahead is not None and req.request_id in ahead.rows:
+                # continued: [anchor, drafts] and the count the step in flight commits, on the device
+                toks, shift = ahead.next_segment(req.request_id), ahead.committed(req.request_id)
+            elif self.drafter is not None:
                 toks = self.drafter.verify_tokens(req)
             else:   # overlap: the previous step's token is still on the device
                 toks = req.next_input if req.next_input is not None else [req.token_at(start)]
-            ensure(req.request_id, start + len(toks) + room)
-            segments.append(ForwardSegment(req.request_id, toks, start, len(toks)))
+            ensure(req.request_id, start + len(toks) * (2 if shift is not None else 1) + room)
+            segments.append(ForwardSegment(req.request_id, toks, start, len(toks), shift))
         return batch.context_requests + batch.generation_requests, segments
 
-    def _choose_tokens(self, reqs: list[LlmRequest], segments: list[ForwardSegment], num_ctx: int,
-                       out: ForwardOutput) -> tuple[list[int], dict[int, list[int]], Optional[DraftsAhead]]:
-        """Every token choice of the step with ONE device->host copy: (chosen id per logits row:
-        the argmax, or a draw for sampling requests; {request id: verify row} of the drafter's
-        requests, without padding; the drafts launched from the device-side verify rows before
-        that copy, so the GPU drafts while the host reads and updates)."""
+    def _launch_choice(self, reqs: list[LlmRequest], segments: list[ForwardSegment], num_ctx: int,
+                       out: ForwardOutput) -> "_SpecStep":
+        """Queue every token choice of the step on the device and their ONE device->host copy: the
+        chosen id per prompt-end row (argmax, or a draw for sampling requests) and, with a drafter,
+        the verify rows; then launch the next drafts from the device-side verify rows (so the GPU
+        drafts while the host reads). Nothing here waits for the GPU."""
         drafter = self.drafter
         # with a drafter only prompt ends choose here (the verify rows go through the drafter)
         chooses = len(reqs) if drafter is None else num_ctx
@@ -332,34 +353,82 @@ class PyExecutor:
         ver, k1 = None, 0
         if gen:
             # one verify over the step; if it fails, each request alone (only the failing ones fail)
-            items = [(reqs[i], out.logits_offsets[i], segments[i].num_logits) for i in gen]
-            blocks = self._isolated(lambda its: self.drafter.verify([r for r, _, _ in its], out.logits,
-                                                                    [o for _, o, _ in its], [c for _, _, c in its]),
+            items = [(reqs[i], segment_drafts(segments[i].token_ids), out.logits_offsets[i], segments[i].num_logits)
+                     for i in gen]
+            blocks = self._isolated(lambda its: drafter.verify([it[0] for it in its], [it[1] for it in its],
+                                                               out.logits, [it[2] for it in its],
+                                                               [it[3] for it in its]),
                                     items, lambda it: it[0])
             if blocks:
                 k1 = max(b.shape[1] for b in blocks)
                 ver = torch.cat([torch.nn.functional.pad(b, (0, k1 - b.shape[1]), value=-1) for b in blocks])
-        live = [i for i in gen if not reqs[i].is_finished]     # the rows of `ver`, in order
+        live = [i for i in gen if not reqs[i].is_finished] if ver is not None else []   # the rows of `ver`
         n = ids.shape[0] if ids is not None else 0
         parts = [t.reshape(-1) for t in (ids, ver) if t is not None]
         # the host copy is queued before the draft launch, so reading it waits for the verify step only
         copy = PendingTokens(torch.cat(parts).view(1, -1)) if parts else None
         ahead = None
         if ver is not None and out.captured is not None:
-            segs = [VerifiedSegment(reqs[i], out.token_offsets[i], segments[i].start, len(segments[i].token_ids), j)
-                    for j, i in enumerate(live)]
+            segs = [VerifiedSegment(reqs[i], out.token_offsets[i], segments[i].start, len(segments[i].token_ids), j,
+                                    segments[i].start_shift) for j, i in enumerate(live)]
             try:
                 ahead = drafter.draft_ahead(segs, ver, out.captured)
             except Exception as e:   # not fatal: the requests draft after the update instead
                 if is_device_fault(e):
                     raise
                 logger.error("draft_ahead failed (%s: %s); drafting after the update", type(e).__name__, e)
-        host = copy.rows()[0] if copy is not None else []
+        return _SpecStep(reqs, segments, num_ctx, out, copy, n, live, k1, ahead)
+
+    def _read_choice(self, step: "_SpecStep") -> tuple[list[int], dict[int, list[int]]]:
+        """(chosen id per logits row of the prompt ends; {request id: verify row} without padding):
+        waits for the step's host copy only."""
+        host = step.copy.rows()[0] if step.copy is not None else []
+        n, k1, reqs = step.num_chosen, step.verify_width, step.reqs
         verified: dict[int, list[int]] = {}
-        for j, i in enumerate(live if ver is not None else ()):
+        for j, i in enumerate(step.live):
             row = host[n + j * k1:n + (j + 1) * k1]
             verified[reqs[i].request_id] = row[:row.index(-1)] if -1 in row else row
-        return host[:n], verified, ahead
+        return host[:n], verified
+
+    def _complete(self, step: "_SpecStep") -> None:
+        """Read a launched step's choices and apply them: append + stop criteria, kv.commit, drafts."""
+        chosen, verified = self._read_choice(step)
+        commits = self._update_requests(step.reqs, step.segments, step.num_ctx, step.out, chosen, verified)
+        if self.drafter is not None and step.out.captured is not None and commits:
+            self._isolated(lambda cs: self.drafter.draft(cs, step.out.captured, step.ahead), commits,
+                           lambda c: c.req)
+        for req in step.reqs:
+            self._finish_context_only(req)
+
+    def _complete_spec_inflight(self) -> None:
+        step, self._spec_inflight = self._spec_inflight, None
+        if step is not None:
+            self._complete(step)
+
+    def _continue_or_complete(self, batch: ScheduledBatch) -> None:
+        """With a DSpark step in flight: keep its continuable requests in this step (launched from
+        its device rows before it is read) and leave out those it may finish by length (they wait
+        one step); when the step holds prompt chunks, or nothing could continue, read it first."""
+        step = self._spec_inflight
+        ahead = step.ahead
+        gens = batch.generation_requests
+        in_step = {step.reqs[i].request_id: len(step.segments[i].token_ids) for i in step.live}
+
+        def continues(r: LlmRequest) -> bool:
+            q = in_step.get(r.request_id)
+            return q is None or (r.request_id in ahead.rows
+                                 and len(r.output_token_ids) + q < r.sampling_params.max_tokens)
+        kept = [r for r in gens if continues(r)]
+        if batch.context_requests or not any(r.request_id in in_step for r in kept):
+            self._notices = []
+            try:
+                self._complete_spec_inflight()
+                self._retire_finished()
+            finally:
+                self._flush_notices()
+            batch.generation_requests = [r for r in gens if not r.is_finished]
+        else:
+            batch.generation_requests = kept
 
     def _choose_on_device(self, reqs: list[LlmRequest], segments: list[ForwardSegment],
                           out: ForwardOutput) -> Optional[torch.Tensor]:
@@ -420,10 +489,11 @@ class PyExecutor:
                 elif drafter is None:
                     req.num_computed += 1
                     self._append(req, [chosen[lo]])
-                else:
+                else:   # the host count is the segment's real start (a continued one's shift is read)
                     new = drafter.accept(req, verified[req.request_id])
+                    start = req.num_computed
                     req.num_computed += len(new)
-                    commits.append(StepCommit(req, out.token_offsets[i], seg.start, len(new)))
+                    commits.append(StepCommit(req, out.token_offsets[i], start, len(new)))
                     self._append(req, new)
                 if i >= num_ctx and req.state is RequestState.FINISHED:
                     # a stop drops the token(s) after it (only a finished request drops any)
@@ -541,3 +611,26 @@ class _OverlapStep:
 def _last_token_pending(req: LlmRequest) -> bool:
     """The request's device-resident token is its max_tokens-th: nothing to launch for it."""
     return req.next_input is not None and len(req.output_token_ids) + 1 >= req.sampling_params.max_tokens
+
+
+@dataclass
+class _SpecStep:
+    """A launched step with a drafter (its choices queued on the device, their host copy under way):
+    what reading and applying it needs."""
+
+    reqs: list[LlmRequest]
+    segments: list[ForwardSegment]
+    num_ctx: int
+    out: ForwardOutput
+    copy: Optional[PendingTokens]      # [1, num_chosen + len(live) * verify_width] chosen ids, verify rows
+    num_chosen: int
+    live: list[int]                    # indices into reqs of the verify rows, in order
+    verify_width: int
+    ahead: Optional[DraftsAhead]       # the next drafts, launched from the device-side verify rows
+
+    @property
+    def deferrable(self) -> bool:
+        """Its reading may wait a step: no prompt chunk, and every verified request drafted ahead (its
+        next segment can be launched from the device rows)."""
+        return (self.num_ctx == 0 and self.ahead is not None and bool(self.live)
+                and all(self.reqs[i].request_id in self.ahead.rows for i in self.live))

@@ -69,7 +69,6 @@ def create_py_executor(args: TorchLlmArgs, tokenizer: TokenizerWrapper) -> Execu
         drafter = create_dspark_worker(args.speculative_config, model, dtype, device)
         specs.append(drafter.kv_cache_spec)
         salt += f"|draft:{drafter.identity}"
-        drafter_report = drafter.describe()
     p = kvc.tokens_per_block
     if kvc.max_tokens is not None:
         num_pages = -(-kvc.max_tokens // p)
@@ -93,8 +92,8 @@ def create_py_executor(args: TorchLlmArgs, tokenizer: TokenizerWrapper) -> Execu
     sampler = Sampler(args.seed, device)
     if drafter is not None:
         drafter.bind(kv, sampler)
-        if args.use_cuda_graph:
-            drafter.enable_cuda_graphs(args.max_batch_size)
+        drafter.enable_device_drafts(args.max_batch_size, cuda_graphs=args.use_cuda_graph)
+        drafter_report = drafter.describe()
     executor = PyExecutor(engine, sched, sampler, kv, tokenizer.decode, drafter,
                           overlap=not args.disable_overlap_scheduler)
     report = kv.report()

@@ -103,10 +103,12 @@ E = TypeVar("E", bound=GraphEntry)
 
 
 class GraphCache(Generic[E]):
-    """Entries by key; the first replay of an entry warms up and captures it (one memory pool)."""
+    """Entries by key; the first replay of an entry warms up and captures it (one memory pool).
+    With capture=False a replay runs the forward directly (the same step without a graph)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, capture: bool = True):
         self.device = device
+        self.capture = capture
         self.entries: dict[Hashable, E] = {}
         self._pool = None
         self.num_captures = 0
@@ -121,6 +123,10 @@ class GraphCache(Generic[E]):
     def replay(self, entry: E, forward: Callable[[E], Any]) -> Any:
         """Replay `entry` (its inputs already loaded), capturing `forward(entry)` the first time;
         returns the entry's outputs."""
+        if not self.capture:
+            entry.replays += 1
+            self.num_replays += 1
+            return forward(entry)
         if entry.graph is None:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()

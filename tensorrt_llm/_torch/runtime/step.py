@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from .llm_request import LlmRequest
-from .token_rows import PendingTokens
+from .token_rows import PendingTokens, TokenRow
 
 
 @dataclass
@@ -22,9 +22,12 @@ class ForwardSegment:
     """Tokens of one request for this step, at absolute positions start..start+len-1."""
 
     request_id: int
-    token_ids: Sequence[int]   # a list, or `VerifyTokens` whose drafts are still on the device
-    start: int          # == tokens already in the target pages
+    token_ids: Sequence[int]   # a list, or `VerifyTokens` / a `TokenRow` still on the device
+    start: int          # == tokens already in the target pages (plus start_shift when set)
     num_logits: int     # logits wanted for the last `num_logits` tokens
+    # a continued verify segment (the overlap scheduler): the tokens committed by the step still
+    # in flight, one id on the device; the segment starts at start + that count (1..len(token_ids))
+    start_shift: Optional[TokenRow] = None
 
 
 @dataclass
@@ -59,15 +62,35 @@ class VerifiedSegment:
 
     req: LlmRequest
     row0: int        # first captured row of its segment
-    start: int       # position of its anchor (its first committed position)
+    start: int       # position of its anchor (its first committed position), plus start_shift
     num_tokens: int  # tokens (= captured rows) of its segment: 1 + its drafts
     verify_row: int  # its row in the verify output
+    start_shift: Optional[TokenRow] = None   # its segment's `ForwardSegment.start_shift`
 
 
 @dataclass(frozen=True)
 class DraftsAhead:
-    """Drafts launched on the device from the verify output, before the host read it: request id
-    -> its row of `drafts` [G, K] (the draft context of its committed tokens is written too)."""
+    """What the draft step launched from the verify output (before the host read it) left on the
+    device: request id -> its row of `tokens` [G, 2 + K] int64::
+
+        [ committed | anchor d1 .. dK ]    committed: tokens its verify step committed (1..K+1);
+                                           anchor: the last of them; d1..dK: its next drafts
+
+    The draft context of its committed tokens is written too. The next verify segment
+    [anchor, d1..dK] starts `committed` positions after the verified one: the overlap scheduler
+    launches it from these rows before the host has read them."""
 
     rows: dict[int, int]
-    drafts: PendingTokens
+    tokens: PendingTokens
+
+    def drafts(self, request_id: int) -> TokenRow:
+        """[d1..dK] of a request."""
+        return self.tokens.row(self.rows[request_id], offset=2)
+
+    def next_segment(self, request_id: int) -> TokenRow:
+        """[anchor, d1..dK]: the request's next verify segment."""
+        return self.tokens.row(self.rows[request_id], offset=1)
+
+    def committed(self, request_id: int) -> TokenRow:
+        """[committed]: the next segment's start shift."""
+        return self.tokens.row(self.rows[request_id], k=1)

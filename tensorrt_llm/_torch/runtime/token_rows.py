@@ -18,6 +18,8 @@ from typing import Iterator, Optional, Union
 
 import torch
 
+from ..attention_backend.interface import host_ints
+
 
 class PendingTokens:
     """Token ids [B, K] on the device (a private copy: a graph's output buffer is rewritten by its
@@ -48,9 +50,9 @@ class PendingTokens:
             self._rows = self._host.tolist()
         return self._rows
 
-    def row(self, i: int, k: Optional[int] = None) -> "TokenRow":
-        """Row i's first k ids (all K by default)."""
-        return TokenRow(self, i, self.device.shape[1] if k is None else k)
+    def row(self, i: int, k: Optional[int] = None, offset: int = 0) -> "TokenRow":
+        """Row i's k ids from column `offset` (all the rest by default)."""
+        return TokenRow(self, i, self.device.shape[1] - offset if k is None else k, offset)
 
 
 class _HostInts(Sequence):
@@ -69,36 +71,51 @@ class _HostInts(Sequence):
 
 
 class TokenRow(_HostInts):
-    """The first k ids of row `index` of a `PendingTokens`; reading values waits for the host copy."""
+    """k ids of row `index` of a `PendingTokens`, from column `offset`; reading values waits for the
+    host copy. `columns` is their slice of the device row."""
 
-    __slots__ = ("pending", "index", "k")
+    __slots__ = ("pending", "index", "k", "offset")
 
-    def __init__(self, pending: PendingTokens, index: int, k: int):
-        if not 0 <= index < len(pending) or not 0 <= k <= pending.device.shape[1]:
-            raise ValueError(f"token row {index} of {len(pending)}, {k} of "
-                             f"{pending.device.shape[1]} ids: out of range")
-        self.pending, self.index, self.k = pending, index, k
+    def __init__(self, pending: PendingTokens, index: int, k: int, offset: int = 0):
+        if not 0 <= index < len(pending) or offset < 0 or not 0 <= k <= pending.device.shape[1] - offset:
+            raise ValueError(f"token row {index} of {len(pending)}, {k} ids from column {offset} of "
+                             f"{pending.device.shape[1]}: out of range")
+        self.pending, self.index, self.k, self.offset = pending, index, k, offset
 
     def __len__(self) -> int:
         return self.k
 
+    @property
+    def columns(self) -> slice:
+        return slice(self.offset, self.offset + self.k)
+
     def tolist(self) -> list[int]:
-        return self.pending.rows()[self.index][:self.k]
+        return self.pending.rows()[self.index][self.columns]
 
     def __repr__(self) -> str:
-        return f"TokenRow(row {self.index}, {self.k} ids)"
+        return f"TokenRow(row {self.index}, {self.k} ids from column {self.offset})"
 
 
 def group_by_pending(rows: Sequence["TokenRow"], where: Sequence[int]
                      ) -> list[tuple[PendingTokens, list[int], list["TokenRow"]]]:
-    """Device rows and their destinations grouped by the `PendingTokens` they belong to (first-seen
-    order): one gather per producing step when a consumer copies them into its inputs."""
-    groups: dict[int, tuple[PendingTokens, list[int], list[TokenRow]]] = {}
+    """Device rows and their destinations grouped by the `PendingTokens` they belong to and their
+    first column (first-seen order): one gather per producing step when a consumer copies them
+    into its inputs."""
+    groups: dict[tuple[int, int], tuple[PendingTokens, list[int], list[TokenRow]]] = {}
     for w, r in zip(where, rows):
-        g = groups.setdefault(id(r.pending), (r.pending, [], []))
+        g = groups.setdefault((id(r.pending), r.offset), (r.pending, [], []))
         g[1].append(w)
         g[2].append(r)
     return list(groups.values())
+
+
+def gather_firsts(dst: torch.Tensor, rows: Sequence["TokenRow"], at: Sequence[int]) -> None:
+    """dst [N] int64 on the device: dst[at[n]] <- the first id of rows[n] (e.g. a continued
+    segment's start shift), gathered on the device behind the step that produced it."""
+    for pend, js, toks in group_by_pending(rows, at):
+        col = toks[0].offset
+        src = host_ints([t.index for t in toks], dst.device)
+        dst.index_copy_(0, host_ints(js, dst.device), pend.device.index_select(0, src)[:, col])
 
 
 class VerifyTokens(_HostInts):
@@ -117,3 +134,13 @@ class VerifyTokens(_HostInts):
 
     def __repr__(self) -> str:
         return f"VerifyTokens(anchor {self.anchor}, {self.drafts!r})"
+
+
+def segment_drafts(tokens: Sequence[int]) -> Sequence[int]:
+    """The drafts d1..dK of a verify segment [anchor, d1..dK], kept where they are: a `VerifyTokens`'
+    device row, the columns after the anchor of a continued segment's `TokenRow`, or a list's tail."""
+    if isinstance(tokens, VerifyTokens):
+        return tokens.drafts
+    if isinstance(tokens, TokenRow):
+        return TokenRow(tokens.pending, tokens.index, tokens.k - 1, tokens.offset + 1)
+    return list(tokens)[1:]

@@ -71,7 +71,7 @@ class DSparkWorker(Drafter):
         self.rejection: Optional[RejectionSampler] = None
         self.kv_caches: list[torch.Tensor] = []
         self.graph_runner = None
-        self.graph_backend: Optional[str] = None    # the draft graph's attention backend, or why it is off
+        self.graph_backend: Optional[str] = None    # the device draft step's attention backend, or why it is off
 
     # ---- Drafter properties --------------------------------------------------------------
     @property
@@ -95,28 +95,42 @@ class DSparkWorker(Drafter):
         self.rejection = RejectionSampler(sampler)
         self.kv_caches = kv.layer_caches("draft")
 
-    def enable_cuda_graphs(self, max_batch_size: int) -> None:
-        """Capture the draft step of greedy verified requests per batch bucket (after `bind`): it is
-        launched from the device-side verify output (`draft_ahead`), with the TRITON attention
-        backend (lengths read on the device). Without it (no triton) drafting stays eager."""
+    def enable_device_drafts(self, max_batch_size: int, cuda_graphs: bool) -> None:
+        """Launch the draft step of greedy verified requests from the device-side verify output
+        (`draft_ahead`; after `bind`). With cuda_graphs it is captured per batch bucket with the
+        TRITON backend; without, the same step runs directly with the worker's own backend. Either
+        needs a backend that reads KV lengths on the device; without one drafting stays eager."""
         from ..attention_backend.triton_backend import TritonAttention
         from .draft_graph_runner import DraftGraphRunner
         if self.kv is None:
-            raise ValueError("bind() the worker to its KV manager before enabling CUDA graphs")
-        ok, why = TritonAttention.availability(self.device)
-        if ok:
-            dc = self.drafter.config
-            widths = (dc.kv_lora_rank, dc.qk_rope_head_dim) if dc.is_mla else (dc.head_dim, 0)
-            why = TritonAttention.shape_support(*widths, self.kv.tokens_per_block)
-            ok = not why
-        if not ok:
-            logger.warning("draft CUDA graph disabled: %s (the draft step runs eagerly)", why)
+            raise ValueError("bind() the worker to its KV manager before enabling device drafts")
+        backend: Optional[AttentionBackend] = None
+        if cuda_graphs:
+            ok, why = TritonAttention.availability(self.device)
+            if ok:
+                dc = self.drafter.config
+                widths = (dc.kv_lora_rank, dc.qk_rope_head_dim) if dc.is_mla else (dc.head_dim, 0)
+                why = TritonAttention.shape_support(*widths, self.kv.tokens_per_block)
+            backend = TritonAttention() if ok and not why else None
+        elif self.backend.capabilities.device_lengths:
+            backend, why = self.backend, ""
+        else:
+            why = f"{self.backend.name} plans on the host"
+        need = max(1 + self.max_draft_len, self.block_size + 1)
+        if backend is not None and need > self.kv.tokens_per_block:
+            backend, why = None, f"{need} rows exceed one page ({self.kv.tokens_per_block} tokens)"
+        if backend is None:
+            logger.warning("device draft step disabled: %s (the draft step runs after the host update)", why)
             self.graph_backend = why
             return
-        self.graph_backend = TritonAttention.name
-        self.graph_runner = DraftGraphRunner(self.drafter, self.kv, TritonAttention(), self.kv_caches, self.device,
+        self.graph_backend = backend.name
+        self.graph_runner = DraftGraphRunner(self.drafter, self.kv, backend, self.kv_caches, self.device,
                                              max_batch_size, verify_tokens=1 + self.max_draft_len,
-                                             num_drafts=self.max_draft_len)
+                                             num_drafts=self.max_draft_len, capture=cuda_graphs)
+
+    @property
+    def drafts_on_device(self) -> bool:
+        return self.graph_runner is not None
 
     def describe(self) -> dict:
         dc = self.drafter.config
@@ -124,7 +138,7 @@ class DSparkWorker(Drafter):
                 "max_draft_len": self.max_draft_len, "target_layer_ids": list(dc.target_layer_ids),
                 "kv_bytes_per_token": self.kv_cache_spec.bytes_per_token,
                 "attention_backend": {"name": self.resolution.name, "reason": self.resolution.reason},
-                "draft_graph_backend": self.graph_backend}
+                "device_draft_backend": self.graph_backend}
 
     # ---- verification ------------------------------------------------------------------
     def verify_tokens(self, req: LlmRequest) -> Sequence[int]:
@@ -134,41 +148,41 @@ class DSparkWorker(Drafter):
             return VerifyTokens(anchor, drafts)
         return [anchor, *drafts]
 
-    def verify(self, reqs: Sequence[LlmRequest], logits: torch.Tensor, offsets: Sequence[int],
-               counts: Sequence[int]) -> torch.Tensor:
-        for r, c in zip(reqs, counts):
-            if c != len(r.draft_tokens) + 1:
-                raise ValueError(f"request {r.request_id}: {c} target rows for {len(r.draft_tokens)} "
-                                 "drafts (want drafts + 1)")
+    def verify(self, reqs: Sequence[LlmRequest], drafts: Sequence[Sequence[int]], logits: torch.Tensor,
+               offsets: Sequence[int], counts: Sequence[int]) -> torch.Tensor:
+        for r, d, c in zip(reqs, drafts, counts):
+            if c != len(d) + 1:
+                raise ValueError(f"request {r.request_id}: {c} target rows for {len(d)} drafts (want drafts + 1)")
         rows = stack_verify_rows(logits, offsets, counts)              # [B, K+1, V]
         meta = SpecDecodeMetadata(
             request_ids=[r.request_id for r in reqs], params=[r.sampling_params for r in reqs],
-            draft_token_ids=self._draft_ids(reqs, rows.shape[1] - 1, logits.device),
+            draft_token_ids=self._draft_ids(drafts, rows.shape[1] - 1, logits.device),
             num_draft_tokens=host_ints([c - 1 for c in counts], logits.device), target_logits=rows,
             draft_probs=[r.draft_probs for r in reqs] if any(r.draft_probs is not None for r in reqs) else None)
         return self.rejection.forward(meta)
 
     @staticmethod
-    def _draft_ids(reqs: Sequence[LlmRequest], k: int, device: torch.device) -> torch.Tensor:
+    def _draft_ids(drafts: Sequence[Sequence[int]], k: int, device: torch.device) -> torch.Tensor:
         """[B, k] int64 draft ids on `device` (entries past a request's own drafts are don't-cares):
         rows still on the device (`TokenRow`s of one or more draft steps) are gathered there, never
         waited for; host lists are sent in one pinned copy."""
-        drafts = [r.draft_tokens for r in reqs]
-        if k and all(isinstance(d, TokenRow) and d.pending is drafts[0].pending and len(d) == k for d in drafts):
-            pend = drafts[0].pending
+        if k and all(isinstance(d, TokenRow) and d.pending is drafts[0].pending and len(d) == k
+                     and d.offset == drafts[0].offset for d in drafts):
+            pend, cols = drafts[0].pending, drafts[0].columns
             idx = [d.index for d in drafts]
             if idx == list(range(idx[0], idx[0] + len(idx))):
-                return pend.device[idx[0]:idx[0] + len(idx), :k]
-            return pend.device.index_select(0, host_ints(idx, device))[:, :k]
+                return pend.device[idx[0]:idx[0] + len(idx), cols]
+            return pend.device.index_select(0, host_ints(idx, device))[:, cols]
         flat: list[int] = []
         for d in drafts:
             flat.extend([0] * k if isinstance(d, TokenRow) else list(d) + [0] * (k - len(d)))
-        out = host_ints(flat, device).view(len(reqs), k)
+        out = host_ints(flat, device).view(len(drafts), k)
         dev = [(j, d) for j, d in enumerate(drafts) if isinstance(d, TokenRow)]
         for pend, rows, toks in group_by_pending([d for _, d in dev], [j for j, _ in dev]):
-            w = min(k, pend.device.shape[1])
+            w = min(k, pend.device.shape[1] - toks[0].offset)
+            cols = slice(toks[0].offset, toks[0].offset + w)
             out[:, :w].index_copy_(0, host_ints(rows, device),
-                                   pend.device.index_select(0, host_ints([t.index for t in toks], device))[:, :w])
+                                   pend.device.index_select(0, host_ints([t.index for t in toks], device))[:, cols])
         return out
 
     def accept(self, req: LlmRequest, verified: Sequence[int]) -> list[int]:
@@ -219,7 +233,7 @@ class DSparkWorker(Drafter):
                 # running => its host count equals the device count (a cap or a stop finishes it);
                 # all K drafts, also near max_tokens: `accept` caps what is committed
                 if req.state == RequestState.GENERATION and not req.is_finished:
-                    req.draft_tokens, req.draft_probs = ahead.drafts.row(ahead.rows[req.request_id]), None
+                    req.draft_tokens, req.draft_probs = ahead.drafts(req.request_id), None
             rest = [c for c in commits if c.req.request_id not in ahead.rows]
         if rest:
             self._eager_draft(rest, captured)
@@ -339,8 +353,8 @@ class DSparkWorker(Drafter):
         d["attention_backend"] = self.resolution.name
         g = self.graph_runner
         if g is not None:
-            d["draft_cuda_graph"] = {"captures": g.graphs.num_captures, "replays": g.graphs.num_replays,
-                                     "drafted_requests": g.num_drafted}
+            d["device_drafts"] = {"cuda_graph": g.graphs.capture, "captures": g.graphs.num_captures,
+                                  "replays": g.graphs.num_replays, "drafted_requests": g.num_drafted}
         return d
 
     def write_stats(self, folder: Path, rank: int = 0) -> Path:

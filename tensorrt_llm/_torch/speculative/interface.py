@@ -55,18 +55,25 @@ class Drafter(ABC):
     def bind(self, kv: KVCacheManager, sampler: Sampler) -> None:
         """Attach the KV manager (the draft pool lives in it) and the sampler (draw streams)."""
 
-    def enable_cuda_graphs(self, max_batch_size: int) -> None:
-        """Capture the draft step per batch bucket (after `bind`); a drafter without graphs ignores it."""
+    def enable_device_drafts(self, max_batch_size: int, cuda_graphs: bool) -> None:
+        """Let `draft_ahead` launch the draft step from the device-side verify output (after `bind`),
+        captured per batch bucket with cuda_graphs; a drafter that cannot ignores it."""
+
+    @property
+    def drafts_on_device(self) -> bool:
+        """`draft_ahead` may launch (so the overlap scheduler may continue a verify step on the device)."""
+        return False
 
     @abstractmethod
     def verify_tokens(self, req: LlmRequest) -> Sequence[int]:
         """The verify segment [anchor, d1..dk] of a generating request (drafts may stay on the device)."""
 
     @abstractmethod
-    def verify(self, reqs: Sequence[LlmRequest], logits: torch.Tensor, offsets: Sequence[int],
-               counts: Sequence[int]) -> torch.Tensor:
+    def verify(self, reqs: Sequence[LlmRequest], drafts: Sequence[Sequence[int]], logits: torch.Tensor,
+               offsets: Sequence[int], counts: Sequence[int]) -> torch.Tensor:
         """Verify the step's generation requests without a sync.
 
+        drafts[i]: the drafts request i's segment verified (a host list or a device `TokenRow`);
         logits [N, V]: request i's verify rows are offsets[i]..offsets[i]+counts[i]-1.
         Returns [G, K+1] int64 on the device: accepted drafts, one target token, -1 padding.
         """

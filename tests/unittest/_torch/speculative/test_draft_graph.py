@@ -144,7 +144,7 @@ def test_split_steps_with_staggered_arrivals_are_lossless(llama64_dir, tmp_path_
         llm_engine = llm._executor.engine
         target = llm_engine.graph_runner
         draft = llm._executor.drafter.graph_runner
-        stats = llm._executor.drafter.stats()["draft_cuda_graph"]
+        stats = llm._executor.drafter.stats()["device_drafts"]
     assert [len(t) for t in toks] == max_tokens
     assert toks == baseline
     assert target.num_declined > 0 and target.graphs.num_replays > 0

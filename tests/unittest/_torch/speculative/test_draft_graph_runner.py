@@ -1,10 +1,10 @@
 """The draft step launched from the device-side verify output (`DraftGraphRunner`, `draft_ahead`).
 
 CPU (no triton needed): `plan` picks greedy GENERATION requests with a full verify segment and
-every slot up to start+q+S-1 owned, capped at the largest bucket; the launch's staged inputs
-(one padded host buffer) lay out as the graph reads them.
-CPU (Triton's interpreter): a whole launch, the graph "replayed" by running its forward
-directly, then `draft` after the host update, equals the eager draft step after the update:
+every slot up to start+q+S-1 owned (start+2q+S-1 for a continued segment), capped at the largest
+bucket; the launch's staged inputs (one padded host buffer, device-gathered shifts) lay out as
+the graph reads them.
+CPU (Triton's interpreter): a whole launch without capture (the step run directly), then `draft` after the host update, equals the eager draft step after the update:
 the same drafts and the same draft KV at every committed position, GQA and MLA, with
 acceptance lengths from 1 to q; negative controls: verify rows claiming one more accepted
 token give other drafts; captured rows of the wrong request give other draft KV.
@@ -38,9 +38,16 @@ P, Q, S = 16, 5, 4          # page, verify rows (K+1; K = 4 drafts with shift_la
 
 def _runner(kv, drafter=None, kv_caches=(), buckets=None):
     drafter = drafter or SimpleNamespace(config=SimpleNamespace(block_size=S, mask_token_id=511))
-    runner = DraftGraphRunner(drafter, kv, TritonAttention(), list(kv_caches), torch.device("cuda"), 8,
-                              verify_tokens=Q, num_drafts=Q - 1, buckets=buckets)
-    runner.device = torch.device("cpu")    # built for "cuda" (its device check)
+    return DraftGraphRunner(drafter, kv, TritonAttention(), list(kv_caches), torch.device("cpu"), 8,
+                            verify_tokens=Q, num_drafts=Q - 1, buckets=buckets, capture=False)
+
+
+def _padded_runner(kv, buckets=None):
+    """A runner laid out as a captured one (batch buckets, padding rows in the scratch page); its
+    plan and staging run on the CPU, nothing is captured."""
+    runner = _runner(kv, buckets=buckets)
+    runner.graphs.capture = True
+    runner.scratch_page = kv.scratch_page()
     return runner
 
 
@@ -85,15 +92,32 @@ def test_plan_picks_launchable_requests():
              VerifiedSegment(_req(5, 39, 1), 22, 39, Q, 5),                       # 39..47: owned
              VerifiedSegment(fin, 27, 20, Q, 6),                                  # failed in its verify
              VerifiedSegment(_req(7, 10, 4), 32, 10, Q, 7)]                       # yes
-    runner = _runner(kv)
+    runner = _padded_runner(kv)
     idx, plan = runner.plan(items, [it.num_tokens for it in items])
     assert idx == [0, 2, 5, 7] and plan.bucket == 4
     assert plan.starts.tolist() == [20, 20, 39, 10]
-    assert plan.ctx_slots.tolist() == [kv.slots(r, s, Q) for r, s in ((0, 20), (2, 20), (5, 39), (7, 10))]
     assert plan.rows.tolist() == kv.rows([0, 2, 5, 7]).tolist()
-    idx, _ = _runner(kv, buckets=[1, 2]).plan(items, [it.num_tokens for it in items])
+    idx, _ = _padded_runner(kv, buckets=[1, 2]).plan(items, [it.num_tokens for it in items])
     assert idx == [0, 2]                                                     # the largest bucket
     assert runner.plan(items[1:2], [Q]) == ([], None)
+
+
+def test_plan_of_continued_segments_owns_the_furthest_shift():
+    """A continued segment (start shift on the device, up to q) launches only when every slot up to
+    start + 2q + S - 1 is owned; an unshifted one at the same start needs start + q + S - 1."""
+    from tensorrt_llm._torch.runtime.token_rows import PendingTokens
+    kv = _kv()
+    for rid in range(2):
+        kv.add_sequence(rid, [1], 128)
+        kv.ensure_capacity(rid, 48)
+    shift = PendingTokens(torch.tensor([[2], [2]]))
+    runner = _runner(kv)
+    at_edge = 48 - Q - S          # 39: an unshifted block ends on the last owned slot
+    plain = VerifiedSegment(_req(0, at_edge, 1), 0, at_edge, Q, 0)
+    cont = VerifiedSegment(_req(1, at_edge, 1), Q, at_edge, Q, 1, shift.row(1))
+    assert runner.plan([plain, cont], [Q, Q])[0] == [0]
+    cont_ok = VerifiedSegment(_req(1, at_edge - Q, 1), Q, at_edge - Q, Q, 1, shift.row(1))
+    assert runner.plan([plain, cont_ok], [Q, Q])[0] == [0, 1]
 
 
 def test_load_inputs_stages_one_padded_buffer():
@@ -103,17 +127,18 @@ def test_load_inputs_stages_one_padded_buffer():
         kv.ensure_capacity(rid, 48)
     reqs = [_req(0, 20, 2), _req(1, 8, 5), _req(2, 30, 1)]
     items = [VerifiedSegment(r, j * Q, s, Q, j) for j, (r, s) in enumerate(zip(reqs, (20, 8, 30)))]
-    runner = _runner(kv, buckets=[4])
+    runner = _padded_runner(kv, buckets=[4])
     idx, plan = runner.plan(items, [Q] * 3)
     assert idx == [0, 1, 2] and plan.bucket == 4
     entry = runner._new_entry(4, 6, torch.float32)
     captured = torch.randn(3 * Q, 6)
     verified = torch.tensor([_verify_row(r, s, n) for r, s, n in zip(reqs, (20, 8, 30), (2, 5, 1))])
-    runner._load_inputs(entry, 3, captured, verified, plan)
-    scratch, ar_q = runner.scratch_page, torch.arange(Q)
-    assert entry.ctx_pos.view(4, Q).tolist() == [(st + ar_q).tolist() for st in (20, 8, 30)] + [ar_q.tolist()]
-    assert entry.ctx_slots.view(4, Q).tolist() == plan.ctx_slots.tolist() + [(scratch * P + ar_q).tolist()]
+    from tensorrt_llm._torch.runtime.token_rows import PendingTokens
+    shifts = PendingTokens(torch.tensor([[0, 9], [0, 3]]))
+    runner._load_inputs(entry, 3, captured, verified, plan, [None, shifts.row(1, 1, offset=1), None])
+    scratch = runner.scratch_page
     assert entry.starts.tolist() == [20, 8, 30, 0]
+    assert entry.shift.tolist() == [0, 3, 0, 0]          # gathered from the device row's column 1
     assert torch.equal(entry.verified[:3], verified) and entry.verified[3].tolist() == [0] + [-1] * (Q - 1)
     tables = kv.block_tables([0, 1, 2], torch.device("cpu"))
     bt, w = entry.md.block_tables, tables.shape[1]
@@ -123,22 +148,6 @@ def test_load_inputs_stages_one_padded_buffer():
 
 
 # ---- a whole launch on the CPU (Triton's interpreter) -------------------------------------------
-class _DirectGraphs:
-    """Stands in for GraphCache on the CPU: a replay runs the forward (as the captured graph would)."""
-
-    def __init__(self):
-        self.entries, self.num_captures, self.num_replays = {}, 0, 0
-
-    def entry(self, key, make):
-        if key not in self.entries:
-            self.entries[key] = make()
-        return self.entries[key]
-
-    def replay(self, entry, forward):
-        self.num_replays += 1
-        return forward(entry)
-
-
 def _worker(tiny_llama_dir, kind):
     tc = LlamaConfig.from_dict(read_config(tiny_llama_dir), "t")
     extra = {"qk_rope_head_dim": 16} if kind == "mla" else {}      # the kernel's dot widths: >= 16
@@ -171,7 +180,6 @@ def _launch(tiny_llama_dir, kind, ahead: bool, shift: bool = False, swap_rows: b
         worker.draft(commits, captured)      # no graph runner: the eager draft step
         return worker, kv, commits
     runner = _runner(kv, worker.drafter, worker.kv_caches)
-    runner.graphs = _DirectGraphs()
     worker.graph_runner = runner
     rows = [_verify_row(r, start, n) for r, (_, start, n) in zip(reqs, CASES)]
     if shift:    # negative control: one more token accepted than committed (a token 7 after them)
@@ -245,10 +253,8 @@ def test_executor_launches_drafts_ahead_losslessly_within_owned_pages(make_llm, 
     llm = make_llm(tiny_llama_dir, max_batch_size=4, speculative_config=spec)
     worker = llm._executor.drafter
     k = worker.max_draft_len
-    runner = DraftGraphRunner(worker.drafter, worker.kv, TritonAttention(), worker.kv_caches, torch.device("cuda"),
-                              4, verify_tokens=k + 1, num_drafts=k)
-    runner.device = torch.device("cpu")    # built for "cuda" (its device check)
-    runner.graphs = _DirectGraphs()
+    runner = DraftGraphRunner(worker.drafter, worker.kv, TritonAttention(), worker.kv_caches, torch.device("cpu"),
+                              4, verify_tokens=k + 1, num_drafts=k, capture=False)
     worker.graph_runner = runner
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert got == want
@@ -267,7 +273,7 @@ def test_verify_gathers_draft_rows_of_several_steps_on_the_device(monkeypatch):
     def no_host_read(self):
         raise AssertionError("a draft row was read on the host")
     monkeypatch.setattr(PendingTokens, "rows", no_host_read)
-    ids = DSparkWorker._draft_ids(reqs, 3, torch.device("cpu"))
+    ids = DSparkWorker._draft_ids([r.draft_tokens for r in reqs], 3, torch.device("cpu"))
     got = [row[:len(r.draft_tokens)] for row, r in zip(ids.tolist(), reqs)]
     assert got == [[4, 5, 6], [20, 21], [11, 12], [1, 2]]
     with pytest.raises(AssertionError, match="read on the host"):     # control: reading a row does

@@ -62,9 +62,16 @@ def test_random_drafter_is_lossless(tiny_llama_dir, drafters, baseline, kind, ba
     assert stats["speculative"]["request_steps"] > 0
 
 
+def _eager_drafts(monkeypatch):
+    """Oracles here replace the eager draft step's output: turn the device draft step off."""
+    monkeypatch.setattr(DSparkWorker, "enable_device_drafts", lambda self, *a, **k: None)
+
+
 def _oracle_patch(monkeypatch, truth: dict[tuple, list[int]], seed: int):
-    """Replace drafts with the baseline's true future tokens, corrupted after a random prefix."""
+    """Replace drafts with the baseline's true future tokens, corrupted after a random prefix (on the
+    eager draft path: the device draft step is turned off)."""
     rng = random.Random(seed)
+    _eager_drafts(monkeypatch)
     orig = DSparkWorker._draft_group
 
     def patched(self, reqs, s):
@@ -123,6 +130,7 @@ def test_device_resident_drafts_reach_verification(tiny_llama_dir, drafters, bas
             req.draft_tokens = pend.row((j + shift) % len(reqs))
             seen["rows"] += isinstance(req.draft_tokens, TokenRow)
     monkeypatch.setattr(DSparkWorker, "_draft_group", patched)
+    _eager_drafts(monkeypatch)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     toks, stats = _run(tiny_llama_dir, PROMPTS, params, speculative_config=_spec(drafters["gqa"]),
                        max_batch_size=8)
@@ -237,6 +245,7 @@ def test_full_drafts_near_max_tokens_commit_capped(tiny_llama_dir, drafters, bas
 
     monkeypatch.setattr(DSparkWorker, "_draft_group", oracle)
     monkeypatch.setattr(DSparkWorker, "accept", counting_accept)
+    _eager_drafts(monkeypatch)
     max_tokens = [13, 11, 7, 16, 13, 2, 9, 18]
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
     toks, stats = _run(tiny_llama_dir, PROMPTS, params, speculative_config=_spec(drafters["gqa"]),

@@ -1,0 +1,104 @@
+"""The overlap scheduler with DSpark: a verify step is launched from the device rows of the step in
+flight (its anchor, drafts and committed count, `DraftsAhead`), with its start shifted on the
+device, and the step in flight is read one step later.
+
+Outputs equal no-spec greedy and the loop without overlap token for token, and so do the
+acceptance statistics (oracle drafts that depend only on (prompt, position)); most verify steps
+are continued; a request that may end by length waits one step; pages all return. Negative
+control: a start shift off by one on the device changes the output.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tensorrt_llm import SamplingParams
+from tensorrt_llm._torch.runtime import token_rows
+
+from tests.unittest._torch.speculative.draft_oracle import future_drafts, patch_draft_oracles
+
+
+def _prompts(rng: random.Random, n: int) -> list[list[int]]:
+    return [[rng.randrange(3, 500) for _ in range(rng.randrange(3, 40))] for _ in range(n)]
+
+
+def _spec(path) -> dict:
+    return {"decoding_type": "DSpark", "speculative_model": path}
+
+
+def _generate(make_llm, target, prompts, params, overlap: bool, drafter=None, **kw):
+    llm = make_llm(target, disable_overlap_scheduler=not overlap,
+                   speculative_config=_spec(drafter) if drafter else None, **kw)
+    outs = llm.generate(prompts, params)
+    stats = llm.get_stats()
+    assert stats["kv_cache"]["free_pages"] == llm._bundle.kv.num_pages, "pages leaked"
+    return [o.outputs[0].token_ids for o in outs], stats, llm._executor
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+@pytest.mark.parametrize("options,continued", [
+    ({"max_batch_size": 4}, 0.5),
+    # prompt chunks in most steps (a step holding one reads the step in flight first)
+    ({"max_batch_size": 8, "max_num_tokens": 24}, 0.1)])
+def test_continued_verify_steps_equal_the_plain_loop(make_llm, tiny_llama_dir, tiny_drafters, monkeypatch,
+                                                     kind, options, continued):
+    rng = random.Random(7)
+    prompts = _prompts(rng, 10)
+    max_tokens = [rng.randrange(2, 40) for _ in prompts]
+    greedy = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
+    want, _, _ = _generate(make_llm, tiny_llama_dir, prompts, greedy, overlap=False, **options)
+    truth = {tuple(p): t for p, t in zip(prompts, want)}
+    # stop ids the model emits (stops seen one step late must not change the output)
+    params = [SamplingParams(max_tokens=m, stop_token_ids=[t[m // 2]] if i % 3 == 0 and m > 4 else [],
+                             ignore_eos=True) for i, (m, t) in enumerate(zip(max_tokens, want))]
+    ref, _, _ = _generate(make_llm, tiny_llama_dir, prompts, params, overlap=False, **options)
+    patch_draft_oracles(monkeypatch, future_drafts(truth, salt=1))
+    plain, s_plain, ex_plain = _generate(make_llm, tiny_llama_dir, prompts, params, False, tiny_drafters[kind],
+                                         **options)
+    over, s_over, ex_over = _generate(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters[kind],
+                                      **options)
+    assert plain == ref and over == ref
+    assert any(len(o) < m for o, m in zip(ref, max_tokens))          # some stopped on a stop id
+    sp_plain, sp_over = s_plain["speculative"], s_over["speculative"]
+    assert sp_over["accept_histogram"] == sp_plain["accept_histogram"]
+    assert sp_over["acceptance_length"] > 1.5                         # the oracle's drafts arrived
+    assert ex_over.spec_overlap and not ex_plain.spec_overlap
+    assert ex_plain.engine.num_continued_steps == 0
+    # most verify steps were launched before the step in flight was read
+    n = ex_over.engine.num_continued_steps
+    assert n > continued * ex_over.iterations, (n, ex_over.iterations)
+
+
+def test_sampled_and_greedy_requests_mix(make_llm, tiny_llama_dir, tiny_drafters):
+    """Sampled requests draft eagerly and are never continued; a step holding one is read at once.
+    Their tokens depend only on their seeds: overlap on == off, greedy rows == no-spec."""
+    rng = random.Random(3)
+    prompts = _prompts(rng, 6)
+    params = [SamplingParams(max_tokens=18, ignore_eos=True) if i % 2 else
+              SamplingParams(max_tokens=18, temperature=0.9, seed=i, ignore_eos=True) for i in range(6)]
+    on, _, _ = _generate(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters["gqa"])
+    off, _, _ = _generate(make_llm, tiny_llama_dir, prompts, params, False, tiny_drafters["gqa"])
+    nospec, _, _ = _generate(make_llm, tiny_llama_dir, prompts, params, False)
+    assert on == off
+    assert [t for i, t in enumerate(on) if i % 2] == [t for i, t in enumerate(nospec) if i % 2]
+
+
+def test_a_wrong_device_shift_is_seen(make_llm, tiny_llama_dir, tiny_drafters, monkeypatch):
+    """Negative control: continued segments whose device-side start is one position late (the shift
+    gathered + 1) write and read the wrong KV positions: the output differs from no-spec."""
+    rng = random.Random(5)
+    prompts = _prompts(rng, 4)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    want, _, _ = _generate(make_llm, tiny_llama_dir, prompts, params, overlap=False)
+    got, _, ex = _generate(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters["gqa"])
+    assert got == want and ex.engine.num_continued_steps > 0
+    real = token_rows.gather_firsts
+
+    def late(dst, rows, at):
+        real(dst, rows, at)
+        dst.add_(1)
+    from tensorrt_llm._torch.pyexecutor import model_engine
+    monkeypatch.setattr(model_engine, "gather_firsts", late)
+    bad, _, _ = _generate(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters["gqa"])
+    assert bad != want

@@ -1,0 +1,66 @@
+"""Oracle drafts on both draft paths (test fixture): the eager draft step and the device draft step.
+
+`drafts_for(req, anchor_pos, k)` returns the k drafts that should follow the anchor at absolute
+position `anchor_pos` (or None to keep the drafter's own). On the device path the anchor position
+is read from the launched rows (CPU only: start + shift + committed), since the host has not
+read the verify rows yet when the drafts are launched.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from tensorrt_llm._torch.runtime.llm_request import LlmRequest
+from tensorrt_llm._torch.speculative.draft_graph_runner import DraftGraphRunner
+from tensorrt_llm._torch.speculative.dspark_worker import DSparkWorker
+
+DraftsFor = Callable[[LlmRequest, int, int], Optional[list[int]]]
+
+
+def patch_draft_oracles(monkeypatch, drafts_for: DraftsFor) -> None:
+    orig_group, orig_launch = DSparkWorker._draft_group, DraftGraphRunner.launch
+
+    def eager(self, reqs, s):
+        orig_group(self, reqs, s)
+        for req in reqs:
+            k = len(req.draft_tokens)
+            d = drafts_for(req, req.num_computed, k) if k else None
+            if d is not None:
+                req.draft_tokens = list(d)
+
+    def device(self, items, counts, verified, captured):
+        ahead = orig_launch(self, items, counts, verified, captured)
+        if ahead is None:
+            return None
+        t = ahead.tokens.device                # on the CPU: the host copy is this tensor
+        for it in items:
+            row = ahead.rows.get(it.req.request_id)
+            if row is None:
+                continue
+            shift = it.start_shift.tolist()[0] if it.start_shift is not None else 0
+            d = drafts_for(it.req, it.start + shift + int(t[row, 0]), t.shape[1] - 2)
+            if d is not None:
+                with torch.inference_mode():
+                    t[row, 2:] = torch.tensor(d, dtype=t.dtype)
+        return ahead
+
+    monkeypatch.setattr(DSparkWorker, "_draft_group", eager)
+    monkeypatch.setattr(DraftGraphRunner, "launch", device)
+
+
+def future_drafts(truth: dict[tuple, list[int]], salt: int = 0,
+                  select: Callable[[LlmRequest], bool] = lambda r: True) -> DraftsFor:
+    """Drafts = the no-spec future (truth: prompt -> greedy output), wrong after a prefix whose
+    length is a hash of (request prompt, position, salt): the same drafts whatever path or step
+    order asks, so acceptance is reproducible across schedules."""
+    def drafts_for(req: LlmRequest, pos: int, k: int) -> Optional[list[int]]:
+        fut = truth.get(tuple(req.prompt_token_ids))
+        if fut is None or not select(req):
+            return None
+        full = list(req.prompt_token_ids) + list(fut)
+        want = full[pos + 1:pos + 1 + k]
+        keep = hash((tuple(req.prompt_token_ids), pos, salt)) % (k + 1)
+        d = want[:keep] + [(t + 1) % 512 for t in want[keep:]]
+        return (d + [7] * k)[:k]
+    return drafts_for
