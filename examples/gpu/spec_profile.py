@@ -3,8 +3,8 @@
 Per arm (no-spec, then each `--drafter NAME=DIR`), FLASHINFER + CUDA graphs, B MT-Bench prompts
 (chat template, `--ignore-eos`-style fixed length), after a warm-up generate:
 1. host wall time per executor phase (`_build_segments`, `engine.forward`, the token choice and
-   update (`_choose_tokens` + `_update_requests`, or `_launch_overlapped` with the overlap scheduler),
-   `drafter.draft`, the rest of `step`), as they fall (no extra syncs: a phase that waits for
+   update (`_launch_choice` and `_complete` of a DSpark or plain step, `_launch_overlapped` of an
+   overlapped plain step; `drafter.draft` inside `_complete`), the rest of `step`), as they fall (no extra syncs: a phase that waits for
    the device is charged the wait);
 2. GPU kernel time per step from `torch.profiler` over a window of steps (sum of device time of
    all kernels and copies), so wall - GPU is the host-bound share;
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-PHASES = ("_build_segments", "_choose_tokens", "_update_requests", "_launch_overlapped")
+PHASES = ("_build_segments", "_launch_choice", "_complete", "_launch_overlapped")
 
 
 def _wrap_timers(ex, timers: dict) -> None:
@@ -48,7 +48,7 @@ def _wrap_timers(ex, timers: dict) -> None:
     timed(ex.engine, "forward", "forward")
     if ex.drafter is not None:
         timed(ex.drafter, "draft", "draft")
-        timed(ex.drafter, "draft_ahead", "draft_ahead")   # inside _choose_tokens
+        timed(ex.drafter, "draft_ahead", "draft_ahead")   # inside _launch_choice
     timed(ex, "step", "step")
 
 
@@ -105,13 +105,15 @@ def profile_arm(model: str, drafter: str | None, batch: int, max_tokens: int, pr
     toks = sum(len(o.outputs[0].token_ids) for o in outs)
     step_ms = 1000 * timers["step"] / max(timers["n_step"], 1)
     phases = {k: 1000 * timers[k] / max(timers["n_step"], 1)
-              for k in ("build_segments", "forward", "choose_tokens", "update_requests", "launch_overlapped", "draft")}
+              for k in ("build_segments", "forward", "launch_choice", "complete", "launch_overlapped")}
     phases["step_other"] = step_ms - sum(phases.values())
-    phases["draft_ahead_in_choose_tokens"] = 1000 * timers["draft_ahead"] / max(timers["n_step"], 1)
+    phases["draft_ahead_in_launch_choice"] = 1000 * timers["draft_ahead"] / max(timers["n_step"], 1)
+    phases["draft_in_complete"] = 1000 * timers["draft"] / max(timers["n_step"], 1)
     res = {"arm": name, "batch": batch, "max_tokens": max_tokens, "wall_s": wall, "steps": steps,
            "tok_per_s": toks / wall, "ms_per_step": 1000 * wall / max(steps, 1),
            "step_ms_inside_step": step_ms, "phase_ms_per_step": phases,
-           "tokens_per_step": toks / max(steps, 1)}
+           "tokens_per_step": toks / max(steps, 1), "overlap_scheduler": llm.capacity_report["overlap_scheduler"],
+           "continued_steps": ex.engine.num_continued_steps}
     if ex.drafter is not None:
         g = ex.drafter.graph_runner
         res["draft_graph_replays"] = g.graphs.num_replays if g else 0
@@ -153,7 +155,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--no-nospec", action="store_true", help="skip the no-spec arm")
     ap.add_argument("--out-dir", required=True)
-    ap.add_argument("--attn-backend", default="FLASHINFER", help="AUTO / VANILLA for a CPU smoke run")
+    ap.add_argument("--attn-backend", default="FLASHINFER", help="TRITON: DSpark steps overlap (KV lengths read "
+                    "on the device); AUTO / VANILLA for a CPU smoke run")
     ap.add_argument("--kv-max-tokens", type=int, default=262144)
     ap.add_argument("--no-graphs", action="store_true", help="use_cuda_graph=False (CPU smoke run)")
     ap.add_argument("--compile", action="store_true", help="torch_compile_config: inductor layer regions")

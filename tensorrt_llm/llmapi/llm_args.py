@@ -109,10 +109,12 @@ class TorchLlmArgs(StrictBaseModel):
     use_cuda_graph: bool = Field(
         default=False, description="Capture decode/verify steps in CUDA graphs (CUDA only).")
     disable_overlap_scheduler: bool = Field(
-        default=False, description="Turn off the overlap scheduler: by default a non-speculative step's "
-        "tokens stay on the device as the next step's inputs and are read (stop criteria applied) one "
-        "step later, while the GPU runs that step; outputs are the same either way. DSpark steps verify "
-        "on the host every step and do not overlap.")
+        default=False, description="Turn off the overlap scheduler: by default a step's tokens stay on the "
+        "device as the next step's inputs and are read (stop criteria applied) one step later, while the "
+        "GPU runs that step; outputs are the same either way. A DSpark verify step continues from the "
+        "device rows of the step in flight (anchor, drafts, committed count) when the drafter launches "
+        "its drafts on the device and the target attention backend reads KV lengths there (TRITON, "
+        "VANILLA); capacity_report['overlap_scheduler'] says whether it does.")
     torch_compile_config: Optional[TorchCompileConfig] = Field(
         default=None, description="torch.compile regions in the target model; absent: eager PyTorch ops.")
     kv_cache_config: KvCacheConfig = Field(

@@ -15,6 +15,12 @@ past the query's own position, are masked (and never loaded)::
 Queries are packed request-major: uniform (n_q[b] = q_per_seq, the decode / verify / draft-block
 shapes) or ragged (request b's rows are qo_indptr[b]..qo_indptr[b+1]-1: prompt chunks).
 
+Split KV (flash-decoding): when (request, KV head, row block) programs are too few to fill the GPU
+(a small batch), each also takes one of `num_splits` page ranges (a split of the request's pages,
+sized on the device from kv_lens[b]), writes its unnormalised output with its running max and sum
+to a workspace, and a second kernel merges the splits. The split count depends on the launch
+shape only, so a captured graph keeps it.
+
 GQA cache [pages, 2, Hkv, P, D]: K = plane 0, V = plane 1, value width D.
 MLA cache [pages, 1, 1, P, R + r]: K = the whole latent (scores over the R latent dims plus the
 r rope dims), V = its first R dims.
@@ -31,12 +37,14 @@ import triton.language as tl
 @triton.jit
 def _paged_attention_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cp, stride_cplane, stride_ch,
                             stride_cs, bt_ptr, stride_bt, lens_ptr, qo_ptr, out_ptr, stride_ot, stride_oh, scale,
-                            qps, G: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
-                            K_PLANE: tl.constexpr, V_PLANE: tl.constexpr, PAGE: tl.constexpr,
-                            BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, RAGGED: tl.constexpr):
+                            qps, ws_acc_ptr, ws_ml_ptr, n_tok, n_heads, G: tl.constexpr, DV: tl.constexpr,
+                            DR: tl.constexpr, K_PLANE: tl.constexpr, V_PLANE: tl.constexpr, PAGE: tl.constexpr,
+                            BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, RAGGED: tl.constexpr,
+                            SPLIT: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
-    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    split = tl.program_id(2) % SPLIT
+    rows = (tl.program_id(2) // SPLIT) * BLOCK_M + tl.arange(0, BLOCK_M)
     qi = rows // G
     head = kvh * G + rows % G
     if RAGGED:
@@ -60,7 +68,9 @@ def _paged_attention_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cp, s
     acc = tl.zeros([BLOCK_M, DV], tl.float32)
     offs = tl.arange(0, PAGE)
     n_pages = tl.cdiv(kv_len, PAGE)
-    for j in range(0, n_pages):
+    per_split = tl.cdiv(n_pages, SPLIT)
+    j_end = tl.minimum(n_pages, (split + 1) * per_split)
+    for j in range(split * per_split, j_end):
         page = tl.load(bt_ptr + b * stride_bt + j).to(tl.int64)
         n = j * PAGE + offs
         key_ok = n < tl.where(page >= 0, kv_len, 0)   # an unallocated page (BAD_PAGE_INDEX) is never read
@@ -86,9 +96,49 @@ def _paged_attention_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cp, s
             v = tl.load(slot + V_PLANE * stride_cplane + d[None, :], mask=key_ok[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if SPLIT == 1:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:   # partials: [SPLIT, T, Hq, DV] unnormalised output, [SPLIT, T, Hq, 2] (max, sum)
+        at = (split * n_tok + tok) * n_heads + head
+        tl.store(ws_acc_ptr + at[:, None] * DV + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(ws_ml_ptr + at * 2, m_i, mask=row_ok)
+        tl.store(ws_ml_ptr + at * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, stride_ot, stride_oh, n_tok, n_heads,
+                         DV: tl.constexpr, SPLIT: tl.constexpr):
+    """One program per (token, head): out = sum_s w_s acc_s / sum_s w_s l_s, w_s = exp(m_s - max m)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, SPLIT)
+    at = (sp * n_tok + t) * n_heads + h
+    m = tl.load(ws_ml_ptr + at * 2)
+    l = tl.load(ws_ml_ptr + at * 2 + 1)
+    m_max = tl.max(m, 0)
+    empty = m == float("-inf")                                 # a split without keys weighs nothing
+    w = tl.where(empty, 0.0, tl.exp(tl.where(empty, m_max, m) - m_max))
+    d = tl.arange(0, DV)
+    acc = tl.load(ws_acc_ptr + at[:, None] * DV + d[None, :])
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(w * l, 0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+
+MAX_SPLITS = 16
+
+
+def default_num_splits(programs: int, device: torch.device) -> int:
+    """Splits that bring `programs` (request x KV head x row block) up to about the number of SMs:
+    a power of two <= MAX_SPLITS, 1 when the programs fill the GPU already (CPU: 1)."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    n = 1
+    while n < MAX_SPLITS and programs * n * 2 <= sms:
+        n *= 2
+    return n
 
 
 def shape_support(v_dim: int, rope_dim: int, page_size: int) -> str:
@@ -104,9 +154,10 @@ def shape_support(v_dim: int, rope_dim: int, page_size: int) -> str:
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor,
                     scale: float, causal: bool, v_dim: int, mla: bool, qo_indptr: Optional[torch.Tensor] = None,
-                    max_q: int = 0) -> torch.Tensor:
+                    max_q: int = 0, num_splits: Optional[int] = None) -> torch.Tensor:
     """q [T, Hq, Dqk] (packed request-major) over the pages of kv_cache (module doc) ->
-    [T, Hq, v_dim] in q's dtype.
+    [T, Hq, v_dim] in q's dtype. num_splits: KV splits per program (a power of two <= MAX_SPLITS;
+    default `default_num_splits`).
 
     Uniform (qo_indptr None): T = B * q_per_seq. Ragged: qo_indptr [B+1] int32 on q's device and
     max_q >= the most rows any request has. block_tables [B, max_pages] int32 and kv_lens [B]
@@ -140,11 +191,22 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     qps, g = (max_q if ragged else t // b), hq // hkv
     block_m = 16 if qps * g <= 16 else 32
     out = torch.empty(t, hq, v_dim, dtype=q.dtype, device=q.device)
-    grid = (b, hkv, triton.cdiv(qps * g, block_m))
-    _paged_attention_kernel[grid](
+    row_blocks = triton.cdiv(qps * g, block_m)
+    splits = default_num_splits(b * hkv * row_blocks, q.device) if num_splits is None else num_splits
+    if splits < 1 or splits > MAX_SPLITS or splits & (splits - 1):
+        raise ValueError(f"num_splits must be a power of two in [1, {MAX_SPLITS}], got {splits}")
+    if splits > 1:
+        ws_acc = torch.empty(splits, t, hq, v_dim, dtype=torch.float32, device=q.device)
+        ws_ml = torch.empty(splits, t, hq, 2, dtype=torch.float32, device=q.device)
+    else:
+        ws_acc = ws_ml = out
+    _paged_attention_kernel[(b, hkv, row_blocks * splits)](
         q, q.stride(0), q.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         kv_cache.stride(3), block_tables, block_tables.stride(0), kv_lens, qo_indptr if ragged else kv_lens,
-        out, out.stride(0), out.stride(1), float(scale), qps, G=g, DV=v_dim, DR=dr, K_PLANE=0,
-        V_PLANE=0 if mla else 1, PAGE=page_size, BLOCK_M=block_m, CAUSAL=causal, RAGGED=ragged,
-        num_warps=8 if mla else 4, num_stages=1 if mla else 2)
+        out, out.stride(0), out.stride(1), float(scale), qps, ws_acc, ws_ml, t, hq, G=g, DV=v_dim, DR=dr,
+        K_PLANE=0, V_PLANE=0 if mla else 1, PAGE=page_size, BLOCK_M=block_m, CAUSAL=causal, RAGGED=ragged,
+        SPLIT=splits, num_warps=8 if mla else 4, num_stages=1 if mla else 2)
+    if splits > 1:
+        _merge_splits_kernel[(t, hq)](ws_acc, ws_ml, out, out.stride(0), out.stride(1), t, hq, DV=v_dim,
+                                      SPLIT=splits, num_warps=4)
     return out

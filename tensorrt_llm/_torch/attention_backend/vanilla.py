@@ -117,6 +117,11 @@ class VanillaAttention(AttentionBackend):
     capabilities = BackendCapabilities(paged=True, mla=True, non_causal_block=True,
                                        sliding_window=True, fp8_kv=True, cuda_graphs=False, device_lengths=True)
 
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        """A step's layout is built at its first layer; a metadata reused across steps (the device draft
+        step's) gets a fresh one, since its device lengths change between steps."""
+        metadata.extras.pop("vanilla_layout", None)
+
     def forward(self, q, k, v, kv_cache, metadata, scale):
         write_slots(kv_cache[:, 0], k, metadata.slot_mapping)
         write_slots(kv_cache[:, 1], v, metadata.slot_mapping)

@@ -167,6 +167,9 @@ class PyExecutor:
             self._import_prefilled(batch.imported)
         if self.overlap:
             batch.generation_requests = [r for r in batch.generation_requests if not _last_token_pending(r)]
+        # nothing runs and nothing was scheduled: the head of the queue can never fit (decided before
+        # reading a step in flight, whose finished requests free pages for the next admission)
+        stalled = batch.empty and bool(self.scheduler.waiting) and not self.scheduler.running
         if self._spec_inflight is not None:
             self._continue_or_complete(batch)
         if batch.empty:
@@ -180,7 +183,7 @@ class PyExecutor:
                     self._retire_finished()
                 finally:
                     self._flush_notices()
-            elif self.scheduler.waiting and not self.scheduler.running:
+            elif stalled:
                 req = self.scheduler.waiting.popleft()
                 req.error = "request can never fit in the KV cache"
                 req.finish("error")

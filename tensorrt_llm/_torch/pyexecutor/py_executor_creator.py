@@ -97,6 +97,7 @@ def create_py_executor(args: TorchLlmArgs, tokenizer: TokenizerWrapper) -> Execu
     executor = PyExecutor(engine, sched, sampler, kv, tokenizer.decode, drafter,
                           overlap=not args.disable_overlap_scheduler)
     report = kv.report()
+    report["overlap_scheduler"] = _overlap_report(args, executor, backend, drafter)
     report.update({
         "device": str(device), "dtype": str(dtype).replace("torch.", ""), "max_seq_len": max_seq_len,
         "layer_regions": "inductor" if tcc is not None and tcc.enable_inductor else "eager",
@@ -111,6 +112,23 @@ def create_py_executor(args: TorchLlmArgs, tokenizer: TokenizerWrapper) -> Execu
     return ExecutorBundle(executor, kv, model, max_seq_len, device, dtype, report)
 
 
+def _overlap_report(args: TorchLlmArgs, executor: PyExecutor, backend, drafter) -> dict[str, Any]:
+    """Whether steps overlap (the next step launched before this one is read), and why not."""
+    if args.disable_overlap_scheduler:
+        return {"enabled": False, "reason": "disable_overlap_scheduler: true"}
+    if drafter is None:
+        return {"enabled": executor.overlap, "reason": "non-speculative steps"}
+    if executor.spec_overlap:
+        return {"enabled": True, "reason": "verify steps continue from the device rows of the step in flight"}
+    if not drafter.drafts_on_device:
+        why = f"the device draft step is off ({drafter.describe().get('device_draft_backend')})"
+    else:
+        why = (f"target attention backend {backend.name} plans on the host; TRITON (GPU) or VANILLA read "
+               "KV lengths on the device")
+    logger.warning("DSpark steps do not overlap: %s", why)
+    return {"enabled": False, "reason": why}
+
+
 def _log_capacity(report: dict[str, Any]) -> None:
     lines = [f"KV capacity: {report['max_tokens']} tokens/pool, {report['num_pages']} pages x "
              f"{report['tokens_per_block']} tokens, {report['bytes_per_token_total']} B/token total"]
@@ -118,4 +136,6 @@ def _log_capacity(report: dict[str, Any]) -> None:
         lines.append(f"  {name}: {pool['shape_str']}  {pool['bytes_per_token']} B/token")
     for role, b in report["attention_backend"].items():
         lines.append(f"  attention[{role}]: {b['name']} ({b['reason']})")
+    ov = report["overlap_scheduler"]
+    lines.append(f"  overlap scheduler: {'on' if ov['enabled'] else 'off'} ({ov['reason']})")
     logger.info("\n".join(lines))

@@ -59,24 +59,42 @@ def _reference(q, cache, table, lens, qps, causal, v_dim, mla):
                       v_dim=v_dim if mla else None)
 
 
+@pytest.mark.parametrize("splits", [1, 4, 16])
 @pytest.mark.parametrize("mla,causal,qps", [(False, True, 5), (False, False, 8), (True, False, 8), (True, True, 3)])
-def test_paged_attention_matches_reference(mla, causal, qps):
+def test_paged_attention_matches_reference(mla, causal, qps, splits):
+    """Also with the KV split over 4 and 16 page ranges (16 > the pages of most requests: empty
+    splits merge with weight 0)."""
     lens = [qps + 1, 37, 16, 70]
     q, cache, table = _case(mla, qps, lens)
     v_dim = 32 if mla else cache.shape[-1]
     kv_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    got = paged_attention(q, cache, table, kv_lens, 0.3, causal, v_dim, mla)
+    got = paged_attention(q, cache, table, kv_lens, 0.3, causal, v_dim, mla, num_splits=splits)
     want = _reference(q, cache, table, lens, qps, causal, v_dim, mla)
     assert got.shape == want.shape == (q.shape[0], q.shape[1], v_dim) and got.dtype == q.dtype
     assert rel(got, want) < TOL
     # negative controls: one page less of context; request 1 reading request 3's pages
-    short = paged_attention(q, cache, table, kv_lens - P, 0.3, causal, v_dim, mla)
+    short = paged_attention(q, cache, table, kv_lens - P, 0.3, causal, v_dim, mla, num_splits=splits)
     rows = slice(qps, 2 * qps)
     assert rel(short[rows], want[rows]) > NEG_MIN
     swapped = table.clone()
     swapped[1] = table[3]
-    wrong = paged_attention(q, cache, swapped, kv_lens, 0.3, causal, v_dim, mla)
+    wrong = paged_attention(q, cache, swapped, kv_lens, 0.3, causal, v_dim, mla, num_splits=splits)
     assert rel(wrong[rows], want[rows]) > NEG_MIN
+
+
+def test_split_count_is_checked_and_sized_by_the_grid():
+    from tensorrt_llm._torch.attention_backend.triton_paged_kernel import MAX_SPLITS, default_num_splits
+    q, cache, table = _case(False, 2, [5, 9])
+    for bad in (0, 3, 2 * MAX_SPLITS):
+        with pytest.raises(ValueError, match="num_splits"):
+            paged_attention(q, cache, table, torch.tensor([5, 9], device=DEV), 0.3, True, 32, False,
+                            num_splits=bad)
+    assert default_num_splits(4, torch.device("cpu")) == 1
+    if DEV.type == "cuda":
+        sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+        assert default_num_splits(sms, DEV) == 1                         # a full GPU is not split
+        few = default_num_splits(3, DEV)
+        assert 1 < few <= MAX_SPLITS and 3 * few * 2 > sms or few == MAX_SPLITS
 
 
 def test_paged_attention_rejects_bad_shapes():
@@ -101,8 +119,9 @@ def test_shape_support_names_what_the_kernel_cannot_run():
     assert "page size 8" in TritonAttention.shape_support(64, 0, 8)
 
 
+@pytest.mark.parametrize("splits", [1, 4])
 @pytest.mark.parametrize("mla", [False, True])
-def test_ragged_queries_match_reference(mla):
+def test_ragged_queries_match_reference(mla, splits):
     """Prompt chunks: a different number of query rows per request (qo_indptr), causal."""
     q_lens, lens = [7, 1, 20, 4], [7, 33, 52, 16]
     q, cache, table = _case(mla, 1, lens)
@@ -111,7 +130,8 @@ def test_ragged_queries_match_reference(mla):
     v_dim = 32 if mla else cache.shape[-1]
     indptr = torch.tensor([0, 7, 8, 28, 32], dtype=torch.int32, device=DEV)
     kv_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    got = paged_attention(q, cache, table, kv_lens, 0.3, True, v_dim, mla, qo_indptr=indptr, max_q=20)
+    got = paged_attention(q, cache, table, kv_lens, 0.3, True, v_dim, mla, qo_indptr=indptr, max_q=20,
+                          num_splits=splits)
     md = AttentionMetadata(seq_lens=q_lens, num_cached=[n - s for n, s in zip(lens, q_lens)], block_tables=table,
                            slot_mapping=torch.zeros(0, dtype=torch.long, device=DEV), tokens_per_block=P, causal=True)
     want = paged_sdpa(q.float(), cache[:, 0].float(), None if mla else cache[:, 1].float(), md, 0.3,
@@ -119,7 +139,8 @@ def test_ragged_queries_match_reference(mla):
     assert rel(got, want) < TOL
     # negative control: request 2 (rows 8..27) with one page less of context
     short = kv_lens - torch.tensor([0, 0, P, 0], dtype=torch.int32, device=DEV)
-    off = paged_attention(q, cache, table, short, 0.3, True, v_dim, mla, qo_indptr=indptr, max_q=20)
+    off = paged_attention(q, cache, table, short, 0.3, True, v_dim, mla, qo_indptr=indptr, max_q=20,
+                          num_splits=splits)
     assert rel(off[8:28], want[8:28]) > NEG_MIN and rel(off[:8], want[:8]) < TOL
     with pytest.raises(ValueError, match="qo_indptr"):
         paged_attention(q, cache, table, kv_lens, 0.3, True, v_dim, mla, qo_indptr=indptr[:3], max_q=20)

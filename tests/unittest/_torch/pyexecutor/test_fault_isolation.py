@@ -13,7 +13,7 @@ from typing import Optional
 import pytest
 
 from tensorrt_llm import LLM, SamplingParams
-from tensorrt_llm._torch.speculative.dspark_worker import DSparkWorker
+from tests.unittest._torch.speculative.draft_oracle import future_drafts, patch_draft_oracles
 
 
 @pytest.fixture(scope="module")
@@ -376,23 +376,11 @@ def _make_cases(rng: random.Random, s: Setup, n: int, bases: list[list[int]], sl
 
 def _oracle_drafts(monkeypatch, truth: dict[tuple, list[int]], seed: int) -> None:
     """The random drafters accept almost nothing, so half of the greedy requests (even ids) get
-    the no-spec future as drafts, wrong after a random prefix: long accepted runs, commits cut by
+    the no-spec future as drafts, wrong after a prefix, on both draft paths (the eager step and
+    the device step the overlap scheduler continues from): long accepted runs, commits cut by
     max_tokens and lookahead at max_seq_len. The other half keep the drafter's own drafts."""
-    rng = random.Random(seed)
-    orig = DSparkWorker._draft_group
-
-    def patched(self, reqs, s):
-        orig(self, reqs, s)
-        for req in reqs:
-            fut = truth.get(tuple(req.prompt_token_ids))
-            if fut is None or req.request_id % 2 or not req.sampling_params.greedy:
-                continue
-            k = len(req.draft_tokens)
-            fut = fut[len(req.output_token_ids):][:k]
-            keep = rng.randint(0, k)
-            drafts = list(fut[:keep]) + [(t + 1) % 512 for t in fut[keep:]]
-            req.draft_tokens = (drafts + [7] * k)[:k]
-    monkeypatch.setattr(DSparkWorker, "_draft_group", patched)
+    patch_draft_oracles(monkeypatch, future_drafts(
+        truth, salt=seed, select=lambda r: r.request_id % 2 == 0 and r.sampling_params.greedy))
 
 
 def _run_setups(target, drafters, setups: list[Setup], rng: random.Random, cases_per_setup: int,

@@ -102,3 +102,61 @@ def test_a_wrong_device_shift_is_seen(make_llm, tiny_llama_dir, tiny_drafters, m
     monkeypatch.setattr(model_engine, "gather_firsts", late)
     bad, _, _ = _generate(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters["gqa"])
     assert bad != want
+
+
+def test_capacity_report_says_whether_dspark_steps_overlap(make_llm, tiny_llama_dir, tiny_drafters, monkeypatch):
+    spec = _spec(tiny_drafters["mla"])
+    on = make_llm(tiny_llama_dir, speculative_config=spec).capacity_report["overlap_scheduler"]
+    assert on["enabled"] and "device rows" in on["reason"]
+    off = make_llm(tiny_llama_dir, speculative_config=spec, disable_overlap_scheduler=True)
+    assert off.capacity_report["overlap_scheduler"] == {"enabled": False, "reason": "disable_overlap_scheduler: true"}
+    from tensorrt_llm._torch.speculative.dspark_worker import DSparkWorker
+    monkeypatch.setattr(DSparkWorker, "enable_device_drafts", lambda self, *a, **k: None)
+    no_device = make_llm(tiny_llama_dir, speculative_config=spec)
+    rep = no_device.capacity_report["overlap_scheduler"]
+    assert not rep["enabled"] and "device draft step is off" in rep["reason"] and not no_device._executor.spec_overlap
+
+
+def test_device_drafts_equal_eager_drafts_with_a_trained_drafter(tmp_path, monkeypatch):
+    """A drafter trained on its tiny target (tests/unittest/serve/data/tiny_dspark_mla: it reads the
+    context, AL ~1.4): the device draft step (run directly on the CPU, VANILLA with device lengths),
+    overlap on and off, batched and one request at a time, accepts exactly what the eager draft
+    step accepts. Negative control: a VANILLA that keeps a reused metadata's first layout (stale
+    lengths in the device draft step's persistent metadata) accepts differently."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from tensorrt_llm import LLM
+    from tensorrt_llm._torch.attention_backend.interface import AttentionBackend
+    from tensorrt_llm._torch.attention_backend.vanilla import VanillaAttention
+    from tensorrt_llm._torch.speculative.dspark_worker import DSparkWorker
+    tests = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(tests / "tools"))
+    from dspark_tiny import build_tiny_target
+    data = tests / "serve" / "data" / "tiny_dspark_mla"
+    prompts = json.loads((data / "prompts.json").read_text())[:8]
+    target = build_tiny_target(tmp_path / "target")
+
+    def hist(batched: bool, **kw) -> list[int]:
+        with LLM(str(target), device="cpu", kv_cache_config={"max_tokens": 1024, "tokens_per_block": 16},
+                 speculative_config=_spec(str(data)), **kw) as llm:
+            p = SamplingParams(max_tokens=24, ignore_eos=True)
+            if batched:
+                llm.generate(prompts, p)
+            else:
+                for x in prompts:
+                    llm.generate(x, p)
+            return llm.get_stats()["speculative"]["accept_histogram"]
+
+    device = [hist(b, disable_overlap_scheduler=not o) for b in (True, False) for o in (True, False)]
+    with monkeypatch.context() as m:
+        m.setattr(VanillaAttention, "prepare", AttentionBackend.prepare)        # control: stale layouts
+        stale = hist(True)
+    with monkeypatch.context() as m:
+        m.setattr(DSparkWorker, "enable_device_drafts", lambda self, *a, **k: None)
+        eager = hist(True)
+    assert all(h == eager for h in device), (device, eager)
+    al = sum(i * n for i, n in enumerate(eager)) / sum(eager) + 1
+    assert al > 1.2, eager
+    assert stale != eager

@@ -180,3 +180,42 @@ def test_dspark_steps_never_block_on_the_gpu(llama64_dir, tmp_path_factory, no_d
         assert all(len(h.result(timeout=0).outputs[0].token_ids) == 200 for h in handles)
     with no_device_syncs(), pytest.raises(RuntimeError, match="synchroniz"):   # control
         torch.ones(1, device="cuda").item()
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_overlapped_dspark_steps_are_lossless_and_never_block(llama64_dir, tmp_path_factory, no_device_syncs, kind):
+    """The overlap scheduler with DSpark on the GPU (TRITON target: KV lengths read on the device;
+    graphs): 20 steady-state steps, each a whole-step graph of continued verify segments (starts
+    shifted on the device) launched before the step in flight is read, one draft launch each,
+    no blocking torch op (`set_sync_debug_mode("error")`); output == the no-spec engine's with the
+    same backend, token for token, and == the DSpark loop without overlap."""
+    drafter = _drafter(tmp_path_factory, llama64_dir, kind)
+    spec = {"decoding_type": "DSpark", "speculative_model": str(drafter)}
+    common = dict(device="cuda", attn_backend="TRITON", max_batch_size=4, use_cuda_graph=True,
+                  kv_cache_config={"max_tokens": 8192, "tokens_per_block": 16})
+    params = SamplingParams(max_tokens=160, ignore_eos=True)
+    prompts = [[5 + i, 6, 7, 8, 9 + i] for i in range(4)]
+    with LLM(str(llama64_dir), **common) as llm:
+        baseline = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    with LLM(str(llama64_dir), speculative_config=spec, disable_overlap_scheduler=True, **common) as llm:
+        plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    with LLM(str(llama64_dir), speculative_config=spec, **common) as llm:
+        ex = llm._executor
+        assert ex.spec_overlap
+        ex.shutdown()                                   # drive by hand
+        handles = [llm.generate_async(p, params) for p in prompts]
+        ex._drain_incoming()
+        for _ in range(6):                              # prefill, warm-up and captures
+            ex.step()
+        runner, engine = ex.drafter.graph_runner, ex.engine
+        launches, continued, replays = runner.num_launches, engine.num_continued_steps, engine.graph_runner.graphs.num_replays
+        with no_device_syncs():
+            for _ in range(20):
+                ex.step()
+        assert runner.num_launches - launches == 20
+        assert engine.num_continued_steps - continued == 20
+        assert engine.graph_runner.graphs.num_replays - replays == 20 and engine.num_eager_steps == 0
+        ex.run_until_idle()
+        got = [h.result(timeout=0).outputs[0].token_ids for h in handles]
+    assert got == plain == baseline
