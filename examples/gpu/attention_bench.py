@@ -6,6 +6,7 @@ Shapes (SmolLM2-135M target, the shipped drafters, page 32, context ~ the MT-Ben
   target verify   : B x 9 queries, same heads, causal
   GQA draft block : B x 8 queries, 16 / 16 heads x 64, non-causal
   MLA draft block : B x 8 queries, 16 heads over one 576-wide latent (512 value), non-causal
+TRITON runs with its default KV split (sized by the grid) and with num_splits=1 ("triton_nosplit").
 Per shape and batch (1 and 64): CUDA-event time of a CUDA graph of 20 calls (so launch cost is
 excluded), median of 5 replays; FLASHINFER's plan is made once outside the timing, and its host
 plan time per call is reported separately. Prints a table; --json writes it.
@@ -70,7 +71,8 @@ def _case(name: str, batch: int, ctx: int, dev: torch.device) -> dict:
     q = torch.randn(t, hq, d, device=dev, dtype=torch.bfloat16)
     v_dim = 512 if mla else d
     out = {}
-    for label, backend in (("triton", TritonAttention()), ("flashinfer", FlashInferAttention())):
+    for label, backend in (("triton", TritonAttention()), ("triton_nosplit", TritonAttention(num_splits=1)),
+                           ("flashinfer", FlashInferAttention())):
         md = AttentionMetadata(**md_args, graph_shape=(batch, qps, pages_per),
                                kv_lens_device=torch.full((batch,), ctx + qps, dtype=torch.int32, device=dev))
         t0 = time.perf_counter()
@@ -107,7 +109,8 @@ def main() -> None:
         for b in a.batch:
             r = {"shape": name, "batch": b, "ctx": a.ctx, **_case(name, b, a.ctx, dev)}
             rows.append(r)
-            print(f"{name:16s} B={b:3d}  triton {r['triton']['us_per_call']:8.2f} us   flashinfer "
+            print(f"{name:16s} B={b:3d}  triton {r['triton']['us_per_call']:8.2f} us (no split "
+                  f"{r['triton_nosplit']['us_per_call']:8.2f})   flashinfer "
                   f"{r['flashinfer']['us_per_call']:8.2f} us (host prepare {r['flashinfer']['host_prepare_us']:.0f} us)",
                   flush=True)
     for n, k in ((576, 576), (384 * 2, 576), (576, 2880)):   # q/o, gate+up, fc (5 x 576 -> 576)

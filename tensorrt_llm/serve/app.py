@@ -43,6 +43,12 @@ async def read_json(request: Request) -> Any:
         raise OpenAIError(f"request body is not valid JSON: {e}", param="body") from e
 
 
+# Idle keep-alive connections of the servers live this long (uvicorn's default, 5 s, races pooled
+# clients such as openai's: a request sent on a connection the server is closing fails with
+# "Server disconnected without sending a response").
+KEEP_ALIVE_S = 75
+
+
 def parse(model: type[M], body: Any) -> M:
     if not isinstance(body, dict):
         raise OpenAIError(f"request body must be a JSON object, got {type(body).__name__}", param="body")

@@ -63,7 +63,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     import uvicorn
 
-    from .app import create_app
+    from .app import KEEP_ALIVE_S, create_app
     try:
         llm = LLM(args=build_args(a.model, a.config))
     except ValueError as e:
@@ -73,7 +73,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if a.server_role is not None:
             from .disagg.worker import add_disagg_routes
             add_disagg_routes(app, llm, a.server_role, a.kv_hold_timeout)
-        uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=5)
+        uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=5,
+                    timeout_keep_alive=KEEP_ALIVE_S)
     finally:
         llm.shutdown()
     return 0

@@ -115,6 +115,9 @@ def build_step_pages(md: AttentionMetadata) -> StepPages:
                      tuple(shape) if shape is not None else None, valid, bool((seq == 1).all()))
 
 
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 @dataclass(frozen=True)
 class PlanKey:
     """What a plan is specialised for (one wrapper each)."""
@@ -126,8 +129,9 @@ class PlanKey:
     num_kv_heads: int                           # MLA: 1
     head_dim: int                               # GQA: D; MLA: kv_lora_rank (value width)
     head_dim_rope: int                          # GQA: 0; MLA: rope width
-    dtype: torch.dtype
+    dtype: torch.dtype                          # queries
     scale: float
+    kv_dtype: Optional[torch.dtype] = None      # the cache (fp8 for an fp8 GQA pool); None: as the queries
 
 
 class _PlanSlot:
@@ -152,7 +156,10 @@ def cache_write_rows(slot_mapping: torch.Tensor, planes: int, heads: int, page_s
 def scatter_rows(kv_cache: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
     """Graph-safe write of values [T, H, D] into a contiguous kv_cache [num_pages, planes, H, P, D]
     at `cache_write_rows` rows [T, H] (all slots valid: no -1, no host sync)."""
-    kv_cache.view(-1, kv_cache.shape[-1]).index_put_((rows,), values.to(kv_cache.dtype))
+    flat, vals = kv_cache.view(-1, kv_cache.shape[-1]), values.to(kv_cache.dtype)
+    if kv_cache.dtype in FP8_KV_DTYPES:       # fp8 pools are written as their bytes
+        flat, vals = flat.view(torch.uint8), vals.view(torch.uint8)
+    flat.index_put_((rows,), vals)
 
 
 def _gqa_kind(pages: StepPages, md: AttentionMetadata) -> tuple[str, bool]:
@@ -166,13 +173,15 @@ class FlashInferAttention(AttentionBackend):
     (BatchPrefillWithPagedKVCacheWrapper, HND), GQA decode (BatchDecodeWithPagedKVCacheWrapper,
     HND) and absorbed MLA (BatchMLAPagedAttentionWrapper).
 
-    fp8 KV is not supported (declared fp8_kv=False); sliding windows are not supported.
-    Both GQA and MLA plans have CUDA-graph variants (fixed-address metadata buffers).
+    fp8 KV (e4m3 / e5m2, scale 1: new K/V are cast on write): GQA pools, with bf16 / fp16 queries
+    (flashinfer's mixed-precision kernels; "auto" picks fa2 for them on sm90); MLA latents stay in
+    the query dtype. Sliding windows are not supported. Both GQA and MLA plans have CUDA-graph
+    variants (fixed-address metadata buffers).
     """
 
     name = "FLASHINFER"
     capabilities = BackendCapabilities(paged=True, mla=True, non_causal_block=True,
-                                       sliding_window=False, fp8_kv=False, cuda_graphs=True,
+                                       sliding_window=False, fp8_kv=True, cuda_graphs=True,
                                        devices=("cuda",))
 
     def __init__(self, gqa_kernel: str = "auto", mla_kernel: Optional[str] = None):
@@ -264,13 +273,13 @@ class FlashInferAttention(AttentionBackend):
         if key.kind == "gqa_decode":
             slot.wrapper.plan(pages.kv_indptr, pages.kv_indices, pages.last_page_len, key.num_qo_heads,
                               key.num_kv_heads, key.head_dim, pages.page_size, pos_encoding_mode="NONE",
-                              sm_scale=key.scale, q_data_type=key.dtype, kv_data_type=key.dtype)
+                              sm_scale=key.scale, q_data_type=key.dtype, kv_data_type=key.kv_dtype or key.dtype)
         elif key.kind == "gqa":
             extra = {"uniform_q_len": key.graph_shape[1]} if key.graph_shape is not None else {}
             slot.wrapper.plan(pages.qo_indptr, pages.kv_indptr, pages.kv_indices, pages.last_page_len,
                               key.num_qo_heads, key.num_kv_heads, key.head_dim, pages.page_size,
                               causal=key.causal, sm_scale=key.scale, q_data_type=key.dtype,
-                              kv_data_type=key.dtype, **extra)
+                              kv_data_type=key.kv_dtype or key.dtype, **extra)
         else:
             meta = importlib.import_module("flashinfer.mla").MLAPlanMetadata.csr(
                 pages.qo_indptr, pages.kv_indptr, pages.kv_indices, pages.kv_lens)
@@ -285,12 +294,12 @@ class FlashInferAttention(AttentionBackend):
 
     # ---- attention ---------------------------------------------------------------------
     @staticmethod
-    def _check_dtypes(q: torch.Tensor, kv_cache: torch.Tensor) -> None:
+    def _check_dtypes(q: torch.Tensor, kv_cache: torch.Tensor, fp8_ok: bool) -> None:
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"FLASHINFER needs float16/bfloat16 queries, got {q.dtype}")
-        if kv_cache.dtype != q.dtype:
-            raise ValueError(f"FLASHINFER needs the KV cache in the query dtype ({q.dtype}), got "
-                             f"{kv_cache.dtype} (fp8 KV is not supported: capabilities.fp8_kv=False)")
+        if kv_cache.dtype != q.dtype and not (fp8_ok and kv_cache.dtype in FP8_KV_DTYPES):
+            raise ValueError(f"FLASHINFER needs the {'GQA' if fp8_ok else 'MLA'} KV cache in the query dtype "
+                             f"({q.dtype}){' or fp8' if fp8_ok else ''}, got {kv_cache.dtype}")
 
     def _write(self, kv_cache: torch.Tensor, plane: int, values: torch.Tensor, md: AttentionMetadata,
                pages: StepPages) -> None:
@@ -310,19 +319,20 @@ class FlashInferAttention(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, metadata, scale):
         """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: [num_pages, 2, Hkv, P, D] -> [T, Hq, D]."""
-        self._check_dtypes(q, kv_cache)
+        self._check_dtypes(q, kv_cache, fp8_ok=True)
         pages = self._pages(metadata)
         self._write(kv_cache, 0, k, metadata, pages)
         self._write(kv_cache, 1, v, metadata, pages)
         kind, causal = _gqa_kind(pages, metadata)
-        key = PlanKey(kind, pages.graph_shape, causal, q.shape[1], k.shape[1], q.shape[2], 0, q.dtype, float(scale))
+        key = PlanKey(kind, pages.graph_shape, causal, q.shape[1], k.shape[1], q.shape[2], 0, q.dtype, float(scale),
+                      kv_cache.dtype if kv_cache.dtype != q.dtype else None)
         slot = self._planned_slot(key, pages, q.device)
         return slot.wrapper.run(q.contiguous(), kv_cache)
 
     def forward_mla(self, q, latent, kv_cache, metadata, scale, v_dim):
         """q: [T, H, R+r] (q_nope already absorbed into latent space | roped q_pe);
         latent: [T, R+r]; kv_cache: [num_pages, 1, 1, P, R+r] -> [T, H, R] (R = v_dim)."""
-        self._check_dtypes(q, kv_cache)
+        self._check_dtypes(q, kv_cache, fp8_ok=False)
         dl = q.shape[-1]
         if kv_cache.shape[-1] != dl or latent.shape[-1] != dl or not 0 < v_dim < dl:
             raise ValueError(f"MLA widths disagree: q {dl}, latent {latent.shape[-1]}, "

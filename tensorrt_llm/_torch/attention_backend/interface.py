@@ -160,7 +160,10 @@ def write_slots(cache_plane: torch.Tensor, values: torch.Tensor, slot_mapping: t
         return
     p = cache_plane.shape[2]
     page, off = slot_mapping // p, slot_mapping % p
-    cache_plane[page, :, off] = values.to(cache_plane.dtype)
+    vals = values.to(cache_plane.dtype)
+    if cache_plane.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):   # fp8 pools: written as bytes
+        cache_plane, vals = cache_plane.view(torch.uint8), vals.view(torch.uint8)
+    cache_plane[page, :, off] = vals
 
 
 def device_positions(starts: torch.Tensor, q: int, block_tables: torch.Tensor, page_size: int

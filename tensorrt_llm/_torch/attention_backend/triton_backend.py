@@ -14,6 +14,7 @@ module imports on a CPU-only install.
 from __future__ import annotations
 
 import importlib.util
+from typing import Optional
 from itertools import accumulate
 
 import torch
@@ -30,6 +31,11 @@ class TritonAttention(AttentionBackend):
     name = "TRITON"
     capabilities = BackendCapabilities(paged=True, mla=True, non_causal_block=True, sliding_window=False,
                                        fp8_kv=False, cuda_graphs=True, devices=("cuda",), device_lengths=True)
+
+    def __init__(self, num_splits: Optional[int] = None):
+        """num_splits: KV splits per program (a power of two <= 16; None: sized by the grid, see
+        `triton_paged_kernel.default_num_splits`)."""
+        self.num_splits = num_splits
 
     @classmethod
     def availability(cls, device: torch.device) -> tuple[bool, str]:
@@ -86,6 +92,7 @@ class TritonAttention(AttentionBackend):
         lens = md.kv_lens_device if md.kv_lens_device is not None else ex[LENS_KEY]
         qo = ex.get(QO_KEY)
         return paged_attention(q.contiguous(), kv_cache, md.block_tables, lens, scale, md.causal, v_dim, mla,
+                               num_splits=self.num_splits,
                                qo_indptr=qo, max_q=max(md.seq_lens) if qo is not None else 0)
 
     def forward(self, q, k, v, kv_cache, metadata, scale):

@@ -25,7 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..app import read_json
+from ..app import KEEP_ALIVE_S, read_json
 from ..errors import OpenAIError
 from ..serving import sse
 
@@ -219,7 +219,8 @@ def main(argv: list[str]) -> int:
         cfg = DisaggConfig.from_yaml(a.config)
     except (ValueError, OSError) as e:
         p.error(str(e))
-    uvicorn.run(create_router_app(cfg), host=cfg.hostname, port=cfg.port, log_level=a.log_level)
+    uvicorn.run(create_router_app(cfg), host=cfg.hostname, port=cfg.port, log_level=a.log_level,
+                timeout_keep_alive=KEEP_ALIVE_S)
     return 0
 
 

@@ -28,6 +28,10 @@ def test_presets_parse_and_validate(tiny_llama_dir, tmp_path):
     y.write_text(specs[1].split("=", 1)[1])
     args = benchmark.build_llm_args(str(tiny_llama_dir), str(y), [1, 16, 64])   # pydantic accepts it
     assert args.attn_backend == "FLASHINFER" and args.max_batch_size == 64
+    # DSpark arms on another target backend (overlapped DSpark steps), no-spec unchanged
+    tri = [sidebyside.parse_arm(s) for s in ex.arm_specs(["nospec", "gqa"], "/g", "/m", "FLASHINFER", True, 1024,
+                                                          None, "TRITON")]
+    assert tri[0].llm_args["attn_backend"] == "FLASHINFER" and tri[1].llm_args["attn_backend"] == "TRITON"
     with pytest.raises(ValueError):
         ex.arm_specs(["nospec", "eagle"], "", "", "VANILLA", False, 1024, None)
     with pytest.raises(ValueError):
@@ -38,7 +42,8 @@ def test_build_argv_defaults(tmp_path):
     a = ex.argparse.Namespace(arms="nospec,gqa", model="/model", gqa="/g", mla="/m",
                               prompts_file=str(tmp_path / "none.json"), dataset_cache_dir=None, concurrency=[1, 16],
                               rounds=3, max_tokens=256, waves=2, min_requests=16, backend="FLASHINFER", graphs=True,
-                              kv_tokens=262144, extra_yaml=None, anchor=True, out=str(tmp_path), deadline_s=540)
+                              kv_tokens=262144, extra_yaml=None, anchor=True, out=str(tmp_path), deadline_s=540,
+                              spec_backend=None)
     argv = ex.build_argv(a)
     assert argv[argv.index("--concurrency") + 1:argv.index("--rounds")] == ["1", "16"]
     assert argv.count("--arm") == 2 and "--ratio-to" in argv and argv[argv.index("--ratio-to") + 1] == "nospec"

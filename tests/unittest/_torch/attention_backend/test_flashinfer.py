@@ -125,7 +125,7 @@ def test_imports_without_flashinfer_and_cpu_choice_raises(monkeypatch):
     caps = mod.FlashInferAttention.capabilities
     assert mod.FlashInferAttention.name == "FLASHINFER"
     assert caps.paged and caps.mla and caps.non_causal_block and caps.cuda_graphs
-    assert caps.devices == ("cuda",) and not caps.fp8_kv and not caps.sliding_window
+    assert caps.devices == ("cuda",) and caps.fp8_kv and not caps.sliding_window
     ok, why = mod.FlashInferAttention.availability(torch.device("cpu"))
     assert not ok and "cpu" in why
     with pytest.raises(ValueError, match="needs flashinfer"):
@@ -218,8 +218,10 @@ def _fake_attention(q, keys, values, causal, scale):
 
 
 def _fake_flashinfer() -> tuple[types.ModuleType, types.ModuleType, list]:
-    """A CPU stand-in with flashinfer's documented paged semantics (HND, CSR pages)."""
+    """A CPU stand-in with flashinfer's documented paged semantics (HND, CSR pages); `fi.dtypes`
+    records each GQA plan's (q_data_type, kv_data_type)."""
     calls: list = []
+    dtypes: list = []
 
     class Prefill:
         def __init__(self, ws, kv_layout="NHD", backend="auto", use_cuda_graph=False, **bufs):
@@ -228,6 +230,7 @@ def _fake_flashinfer() -> tuple[types.ModuleType, types.ModuleType, list]:
         def plan(self, qo, kvp, kvi, last, hq, hkv, d, p, causal=False, sm_scale=None,
                  q_data_type=None, kv_data_type=None, **kw):
             calls.append(("gqa", causal, hq, hkv, d, p))
+            dtypes.append((q_data_type, kv_data_type))
             self.a = (qo.tolist(), kvp.tolist(), kvi.long(), last.tolist(), p, causal, sm_scale)
 
         def run(self, q, cache):
@@ -250,6 +253,7 @@ def _fake_flashinfer() -> tuple[types.ModuleType, types.ModuleType, list]:
                  q_data_type=None, kv_data_type=None):
             assert pos_encoding_mode == "NONE"
             calls.append(("gqa_decode", True, hq, hkv, d, p))
+            dtypes.append((q_data_type, kv_data_type))
             self.a = (list(range(len(kvp))), kvp.tolist(), kvi.long(), last.tolist(), p, True, sm_scale)
 
     class MLAMeta:
@@ -276,6 +280,7 @@ def _fake_flashinfer() -> tuple[types.ModuleType, types.ModuleType, list]:
             return torch.cat(outs)
 
     fi = types.ModuleType("flashinfer")
+    fi.dtypes = dtypes
     fi.BatchPrefillWithPagedKVCacheWrapper = Prefill
     fi.BatchDecodeWithPagedKVCacheWrapper = Decode
     mla = types.ModuleType("flashinfer.mla")
@@ -313,6 +318,29 @@ def test_backend_contract_with_fake_flashinfer(monkeypatch, path):
         for _ in range(3):
             fi.forward(case.q, case.k, case.v, case.cache.clone(), md, 0.125)
         assert len(calls) == n + 1
+
+
+def fp8_case(case: Case, dtype: torch.dtype = torch.float8_e4m3fn) -> Case:
+    """The same step over an fp8 pool: cached entries (garbage included) cast to fp8."""
+    return replace(case, cache=case.cache.clamp(-440, 440).to(dtype))
+
+
+@pytest.mark.parametrize("path", ["prefill_causal", "decode", "verify_k_plus_1"])
+def test_fp8_gqa_pool_with_fake_flashinfer(monkeypatch, path):
+    """An fp8 GQA pool: plans ask for bf16 queries over fp8 KV, new K/V land as fp8 bytes in the same
+    slots VANILLA writes, and the output equals VANILLA over the same fp8 pool (both read the fp8
+    values; tolerance as bf16). Negative control: rolled tables. MLA latents must stay bf16."""
+    fi_mod, mla_mod, _ = _fake_flashinfer()
+    monkeypatch.setitem(sys.modules, "flashinfer", fi_mod)
+    monkeypatch.setitem(sys.modules, "flashinfer.mla", mla_mod)
+    from tensorrt_llm._torch.attention_backend.flashinfer_backend import FlashInferAttention
+    cached, new, causal = PATHS[path]
+    case = fp8_case(make_case(5, cached, new, causal, "cpu"))
+    check_against_vanilla(FlashInferAttention(), case)
+    assert fi_mod.dtypes[-1] == (torch.bfloat16, torch.float8_e4m3fn)
+    mla = make_case(1, [30, 5], [4, 4], False, "cpu", hq=4, d=96, mla=True)
+    with pytest.raises(ValueError, match="MLA KV cache in the query dtype"):
+        run(FlashInferAttention(), fp8_case(mla))
 
 
 # ---- GPU ---------------------------------------------------------------------------------
@@ -404,3 +432,55 @@ def test_precomputed_write_rows_equal_slot_writes(planes, heads):
             scatter_rows(wrong, cache_write_rows(slots, planes, heads, p, 1 - plane), values + 1)
             assert not torch.equal(wrong[:, 1 - plane], ref[:, 1 - plane])
             assert torch.equal(wrong[:, plane], ref[:, plane])
+
+
+@gpu
+@pytest.mark.parametrize("path", ["prefill_causal", "decode", "verify_k_plus_1"])
+def test_fp8_pool_matches_vanilla_and_stays_near_bf16(fi_backend, path):
+    """FLASHINFER over an fp8 (e4m3) GQA pool: equal to VANILLA over the same fp8 pool (bf16
+    tolerance), and within 0.1 (relative) of FLASHINFER over the bf16 pool it was cast from (e4m3
+    keeps 3 mantissa bits); the rolled-table control lands beyond 0.2."""
+    cached, new, causal = PATHS[path]
+    base = make_case(12, cached, new, causal, "cuda")
+    case = fp8_case(base)
+    check_against_vanilla(fi_backend, case)
+    out8, _ = run(fi_backend, case)
+    out16, _ = run(fi_backend, base)
+    assert rel(out8, out16) < 0.1
+    wrong, _ = run(fi_backend, case, md=rolled(case.md))
+    assert rel(wrong, out16) > NEG_MIN
+
+
+@gpu
+def test_fp8_target_pool_logits_near_bf16_and_capacity_report(llama64_dir):
+    """`kv_cache_config.dtype: fp8` on the GPU (AUTO -> FLASHINFER): the target pool is e4m3 at half
+    the bytes per token, and a prefill's logits (every position) stay within 0.1 (relative) of the
+    bf16 pool's with >= 90% equal argmax; control: another prompt's logits land beyond 0.3."""
+    pytest.importorskip("flashinfer")
+    from tensorrt_llm import LLM
+    from tensorrt_llm._torch.runtime.step import ForwardSegment
+    prompts = [[5 + i, 6, 7, 8, 9, 10 + i, 11, 12] * 5 for i in range(3)]
+    logits, reports = {}, {}
+    for dt in ("auto", "fp8"):
+        with LLM(str(llama64_dir), device="cuda", kv_cache_config={"max_tokens": 4096, "tokens_per_block": 16,
+                                                                     "dtype": dt}) as llm:
+            reports[dt] = llm.capacity_report
+            ex, kv = llm._executor, llm._bundle.kv
+            ex.shutdown()
+            segs = []
+            for i, p in enumerate(prompts):
+                kv.add_sequence(1000 + i, p, len(p))
+                kv.ensure_capacity(1000 + i, len(p))
+                segs.append(ForwardSegment(1000 + i, p, 0, len(p)))
+            logits[dt] = ex.engine.forward(segs).logits.float()
+            for i in range(len(prompts)):
+                kv.free(1000 + i)
+    for dt, rep in reports.items():
+        assert rep["attention_backend"]["target"]["name"] == "FLASHINFER", rep["attention_backend"]
+    t8, t16 = reports["fp8"]["pools"]["target"], reports["auto"]["pools"]["target"]
+    assert t8["dtype"] == "float8_e4m3fn" and 2 * t8["bytes_per_token"] == t16["bytes_per_token"]
+    a, b = logits["fp8"], logits["auto"]
+    assert rel(a, b) < 0.1
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
+    n = len(prompts[0])
+    assert rel(a[:n], b[n:2 * n]) > 0.3

@@ -124,10 +124,14 @@ def test_capacity_report_names_backend_and_reason(tiny_llama_dir, make_llm):
     assert rep["name"] == "VANILLA" and "cpu" in rep["reason"]
 
 
-def test_auto_with_an_fp8_kv_pool_skips_backends_without_fp8_kv():
-    """AUTO on CUDA with an fp8 KV pool: FLASHINFER declares no fp8 KV, so VANILLA, with the reason;
-    a bf16 pool (the control) still gets FLASHINFER."""
+def test_auto_with_an_fp8_kv_pool_skips_backends_without_fp8_kv(monkeypatch):
+    """AUTO on CUDA with an fp8 KV pool: FLASHINFER declares fp8 KV (GQA pools), so it is picked; a
+    FLASHINFER without it would be skipped for VANILLA, with the reason (a bf16 pool still gets it)."""
+    from dataclasses import replace
+    from tensorrt_llm._torch.attention_backend.flashinfer_backend import FlashInferAttention
+    assert resolve_name("AUTO", H100, mla=False, fp8_kv=True).name == "FLASHINFER"
+    assert resolve_name("AUTO", CPU, mla=False, fp8_kv=True).name == "VANILLA"
+    monkeypatch.setattr(FlashInferAttention, "capabilities", replace(FlashInferAttention.capabilities, fp8_kv=False))
     res = resolve_name("AUTO", H100, mla=False, fp8_kv=True)
     assert res.name == "VANILLA" and "FLASHINFER: no fp8 KV" in res.reason
     assert resolve_name("AUTO", H100, mla=False, fp8_kv=False).name == "FLASHINFER"
-    assert resolve_name("AUTO", CPU, mla=False, fp8_kv=True).name == "VANILLA"
