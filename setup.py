@@ -1,5 +1,21 @@
 from setuptools import find_packages, setup
 
+
+def dspark_extension() -> dict:
+    """The DSpark C++/CUDA ops (cpp/) as `tensorrt_llm/_dspark_ops*.so`, built where a CUDA torch and
+    a CUDA toolchain are present; skipped without error elsewhere (CPU installs keep the reference)."""
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
+    except ImportError:          # an isolated build without torch
+        return {}
+    if torch.version.cuda is None or CUDA_HOME is None:
+        return {}
+    ext = CUDAExtension("tensorrt_llm._dspark_ops", ["cpp/dspark_ops.cpp", "cpp/dspark_ops.cu"],
+                        extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]})
+    return {"ext_modules": [ext], "cmdclass": {"build_ext": BuildExtension.with_options(no_python_abi_suffix=True)}}
+
+
 setup(
     name="tensorrt_llm",
     version="0.1.0",
@@ -26,7 +42,8 @@ setup(
     extras_require={
         "gpu": ["flashinfer-python==0.7.2.post1"],
         # triton: the TRITON kernels' CPU tests run in Triton's interpreter (CUDA wheels of torch ship it)
-        "test": ["pytest>=8", "transformers>=4.45", "openai>=1.40", "triton>=3.2"],
+        # ninja: the C++ ops' CPU tests build cpp/dspark_ops.cpp with torch.utils.cpp_extension
+        "test": ["pytest>=8", "transformers>=4.45", "openai>=1.40", "triton>=3.2", "ninja"],
         # GSM8K through the server (tensorrt_llm/bench/lm_eval_gsm8k.py); heavy, not installed by CI
         "eval": ["lm-eval[api]==0.4.13", "transformers>=4.45", "accelerate"],
     },
@@ -39,4 +56,5 @@ setup(
             "trtllm-train-dspark=tensorrt_llm.tools.train_dspark:main",
         ],
     },
+    **dspark_extension(),
 )

@@ -52,6 +52,16 @@ _device_setup() {
   done
   local pr_s="prompts: waiting"
   [[ -f $carry/mtbench_prompts.json ]] && pr_s="prompts: ok"
-  echo "[device_setup +$(( SECONDS - t0 ))s] ${st#\[carry\] } | $site_s | $model_s | $dr_s | $pr_s | $(nvidia-smi --query-gpu=name,memory.used --format=csv,noheader 2>/dev/null | head -1)"
+  # the C++ ops (cpp/, trtllm::dspark_paged_kv_append) built in place once per machine; a failed build
+  # is reported and leaves the torch paths in use
+  local ops_s="ops: built"
+  if ! compgen -G "tensorrt_llm/_dspark_ops*.so" >/dev/null; then
+    if [[ -x $CUDA_HOME/bin/nvcc ]] && python3 setup.py -q build_ext --inplace >"$root/dspark_ops_build.log" 2>&1; then
+      ops_s="ops: built now"
+    else
+      ops_s="ops: not built (see $root/dspark_ops_build.log)"
+    fi
+  fi
+  echo "[device_setup +$(( SECONDS - t0 ))s] ${st#\[carry\] } | $site_s | $model_s | $dr_s | $pr_s | $ops_s | $(nvidia-smi --query-gpu=name,memory.used --format=csv,noheader 2>/dev/null | head -1)"
 }
 _device_setup

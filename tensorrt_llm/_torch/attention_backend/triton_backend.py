@@ -7,8 +7,10 @@ the kernel reads (`triton_paged_kernel`). Two uses:
 * any step when chosen as the engine's `attn_backend: TRITON` (an explicit choice; AUTO does
   not pick it): `prepare` sends the host lengths with one non-blocking copy (into a persistent
   tensor for a captured graph's metadata), and ragged steps (prompt chunks) carry `qo_indptr`.
-New K/V (latents) are written first at `md.slot_mapping`; a step with -1 slots (writes beyond a
-request's pages, skipped) is found once in `prepare`. triton is imported inside methods, so this
+New K/V (latents) are written first at `md.slot_mapping`: by the C++ page-bounded append where it is
+built (`paged_append.py`: a slot outside its request's pages is refused in the kernel), else by a
+scatter, where a step with -1 slots (writes beyond a request's pages, skipped) is found once in
+`prepare`. triton is imported inside methods, so this
 module imports on a CPU-only install.
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from .flashinfer_backend import cache_write_rows, scatter_rows
 from .interface import AttentionBackend, AttentionMetadata, BackendCapabilities, host_ints, write_slots
+from .paged_append import op_loaded, paged_kv_append
 
 LENS_KEY, QO_KEY, VALID_KEY = "triton_kv_lens", "triton_qo_indptr", "triton_slots_valid"
 
@@ -77,7 +80,13 @@ class TritonAttention(AttentionBackend):
         return md.extras
 
     def _write(self, kv_cache: torch.Tensor, plane: int, values: torch.Tensor, md: AttentionMetadata) -> None:
-        if not self._extras(md)[VALID_KEY]:
+        ex = self._extras(md)
+        if op_loaded():    # the C++ op: one kernel, each slot checked against its request's pages
+            qo = ex.get(QO_KEY)
+            paged_kv_append(values, kv_cache, md.slot_mapping, md.block_tables, qo,
+                            0 if qo is not None else md.seq_lens[0], plane)
+            return
+        if not ex[VALID_KEY]:
             write_slots(kv_cache[:, plane], values, md.slot_mapping)
             return
         _, planes, h, p, _ = kv_cache.shape

@@ -1,0 +1,160 @@
+// trtllm::dspark_paged_kv_append: a step's new K, V or MLA latents written into each request's own
+// pages, with the per-request page bound enforced in the kernel.
+//
+//   values       [T, H, D]  bfloat16 / float16 / float32 (token t of the packed step; heads and dims
+//                contiguous, any token stride: a view of a fused projection is read in place)
+//   kv_cache     [pages, planes, H, P, D]  the values' dtype, or fp8 (e4m3 / e5m2: cast on write)
+//   slot_mapping [T] int64  flat slot page * P + offset; -1 = no write (skipped, not refused)
+//   block_tables [B, W] int32  request b's pages; BAD_PAGE_INDEX (-1) where unallocated
+//   qo_indptr    [B + 1] int32 (ragged steps: request b owns tokens qo_indptr[b]..qo_indptr[b+1]-1),
+//                or none with tokens_per_seq > 0 (request b owns tokens b*q..b*q+q-1)
+//   plane        which plane of the cache (0: K or latent, 1: V)
+//   returns      [1] int32: writes refused because the slot's page is not one of its request's
+//
+// A slot whose page is not in its request's block-table row (another request's page, a page past
+// the ones it owns, or outside the pool) is refused in the kernel, never written: the page bound
+// holds whatever slots the caller computed (on the host or on the device).
+#include "dspark_ops.h"
+
+#include <ATen/Dispatch.h>
+#include <torch/library.h>
+
+#include <sstream>
+#include <string>
+
+namespace trtllm_dspark {
+namespace {
+
+bool is_fp8(at::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
+
+std::string shape_str(const at::Tensor& t) {
+  std::ostringstream s;
+  s << t.sizes();
+  return s.str();
+}
+
+void check_on(const at::Tensor& t, const char* name, const at::Device& device) {
+  TORCH_CHECK_VALUE(t.device() == device, "DSpark ", name, " must be on ", device.str(), " (the values' device), got ",
+                    t.device().str());
+}
+
+}  // namespace
+
+void check_paged_kv_append(const at::Tensor& values, const at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+                           const at::Tensor& block_tables, const std::optional<at::Tensor>& qo_indptr,
+                           int64_t tokens_per_seq, int64_t plane) {
+  TORCH_CHECK_VALUE(values.dim() == 3, "DSpark values must be [T, H, D], got ", values.dim(), "-D");
+  TORCH_CHECK_VALUE(kv_cache.dim() == 5, "DSpark kv_cache must be [pages, planes, H, P, D], got ", kv_cache.dim(),
+                    "-D");
+  auto vt = values.scalar_type();
+  TORCH_CHECK_VALUE(vt == at::kBFloat16 || vt == at::kHalf || vt == at::kFloat,
+                    "DSpark values dtype must be one of (BFloat16, Half, Float), got ", vt);
+  auto ct = kv_cache.scalar_type();
+  TORCH_CHECK_VALUE(ct == vt || is_fp8(ct), "DSpark kv_cache dtype must be the values' (", vt,
+                    ") or one of (Float8_e4m3fn, Float8_e5m2), got ", ct);
+  TORCH_CHECK_VALUE(kv_cache.size(0) > 0, "DSpark kv_cache must hold at least one page");
+  TORCH_CHECK_VALUE(kv_cache.stride(0) != 0, "DSpark kv_cache page stride must be non-zero, got strides ",
+                    kv_cache.strides());
+  TORCH_CHECK_VALUE(values.size(1) == kv_cache.size(2), "DSpark num_heads must be the cache's (", kv_cache.size(2),
+                    "), got ", values.size(1));
+  TORCH_CHECK_VALUE(values.size(2) == kv_cache.size(4), "DSpark head_dim must be the cache's (", kv_cache.size(4),
+                    "), got ", values.size(2));
+  TORCH_CHECK_VALUE(plane >= 0 && plane < kv_cache.size(1), "DSpark plane must be in [0, ", kv_cache.size(1),
+                    "), got ", plane);
+  TORCH_CHECK_VALUE(slot_mapping.scalar_type() == at::kLong, "DSpark slot_mapping must be Long, got ",
+                    slot_mapping.scalar_type());
+  TORCH_CHECK_VALUE(slot_mapping.dim() == 1 && slot_mapping.size(0) == values.size(0), "DSpark slot_mapping must be [",
+                    values.size(0), "], got ", shape_str(slot_mapping));
+  TORCH_CHECK_VALUE(block_tables.scalar_type() == at::kInt, "DSpark block_tables must be Int, got ",
+                    block_tables.scalar_type());
+  TORCH_CHECK_VALUE(block_tables.dim() == 2, "DSpark block_tables must be [B, max_pages], got ", block_tables.dim(),
+                    "-D");
+  int64_t b = block_tables.size(0);
+  if (qo_indptr.has_value()) {
+    const at::Tensor& qo = *qo_indptr;
+    TORCH_CHECK_VALUE(qo.scalar_type() == at::kInt, "DSpark qo_indptr must be Int, got ", qo.scalar_type());
+    TORCH_CHECK_VALUE(qo.dim() == 1 && qo.size(0) == b + 1, "DSpark qo_indptr must be [", b + 1, "], got ",
+                      shape_str(qo));
+  } else {
+    TORCH_CHECK_VALUE(tokens_per_seq > 0 && tokens_per_seq * b == values.size(0),
+                      "DSpark tokens_per_seq must split the ", values.size(0), " tokens over ", b,
+                      " requests without qo_indptr, got ", tokens_per_seq);
+  }
+  const at::Device device = values.device();
+  check_on(kv_cache, "kv_cache", device);
+  check_on(slot_mapping, "slot_mapping", device);
+  check_on(block_tables, "block_tables", device);
+  if (qo_indptr.has_value()) check_on(*qo_indptr, "qo_indptr", device);
+  TORCH_CHECK_VALUE(values.stride(2) == 1 && values.stride(1) == values.size(2),
+                    "DSpark values must have contiguous heads and dims (strides [*, ", values.size(2), ", 1]), got ",
+                    values.strides());
+  TORCH_CHECK_VALUE(kv_cache.is_contiguous(), "DSpark kv_cache must be contiguous");
+  TORCH_CHECK_VALUE(slot_mapping.is_contiguous(), "DSpark slot_mapping must be contiguous");
+  TORCH_CHECK_VALUE(block_tables.is_contiguous(), "DSpark block_tables must be contiguous");
+  if (qo_indptr.has_value()) TORCH_CHECK_VALUE(qo_indptr->is_contiguous(), "DSpark qo_indptr must be contiguous");
+}
+
+namespace {
+
+template <typename V, typename C>
+void append_cpu(const V* values, int64_t value_stride, C* cache, const int64_t* slots, const int32_t* tables,
+                const int32_t* qo, int64_t t_n, int64_t b_n, int64_t width, int64_t q, int64_t pages, int64_t planes,
+                int64_t heads, int64_t page_size, int64_t dim, int64_t plane, int32_t* refused) {
+  for (int64_t t = 0; t < t_n; ++t) {
+    int64_t slot = slots[t];
+    if (slot < 0) continue;
+    int64_t b = 0;
+    if (qo != nullptr) {
+      while (b + 1 < b_n && qo[b + 1] <= t) ++b;
+    } else {
+      b = t / q;
+    }
+    int64_t page = slot / page_size, off = slot % page_size;
+    bool owned = false;
+    for (int64_t j = 0; j < width && !owned; ++j) owned = tables[b * width + j] == page;
+    if (!owned || page >= pages) {
+      ++*refused;
+      continue;
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+      C* dst = cache + (((page * planes + plane) * heads + h) * page_size + off) * dim;
+      const V* src = values + t * value_stride + h * dim;
+      for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<C>(static_cast<float>(src[d]));
+    }
+  }
+}
+
+at::Tensor paged_kv_append_cpu(const at::Tensor& values, at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+                               const at::Tensor& block_tables, const std::optional<at::Tensor>& qo_indptr,
+                               int64_t tokens_per_seq, int64_t plane) {
+  check_paged_kv_append(values, kv_cache, slot_mapping, block_tables, qo_indptr, tokens_per_seq, plane);
+  auto refused = at::zeros({1}, values.options().dtype(at::kInt));
+  const int32_t* qo = qo_indptr.has_value() ? qo_indptr->data_ptr<int32_t>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, values.scalar_type(), "dspark_paged_kv_append", [&] {
+    using V = scalar_t;
+    auto run = [&](auto* cache) {
+      append_cpu(values.data_ptr<V>(), values.stride(0), cache, slot_mapping.data_ptr<int64_t>(),
+                 block_tables.data_ptr<int32_t>(), qo,
+                 values.size(0), block_tables.size(0), block_tables.size(1), tokens_per_seq, kv_cache.size(0),
+                 kv_cache.size(1), kv_cache.size(2), kv_cache.size(3), kv_cache.size(4), plane,
+                 refused.data_ptr<int32_t>());
+    };
+    switch (kv_cache.scalar_type()) {
+      case at::kFloat8_e4m3fn: run(kv_cache.data_ptr<c10::Float8_e4m3fn>()); break;
+      case at::kFloat8_e5m2: run(kv_cache.data_ptr<c10::Float8_e5m2>()); break;
+      default: run(kv_cache.data_ptr<V>());
+    }
+  });
+  return refused;
+}
+
+}  // namespace
+}  // namespace trtllm_dspark
+
+TORCH_LIBRARY(trtllm, m) {
+  m.def(
+      "dspark_paged_kv_append(Tensor values, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, "
+      "Tensor? qo_indptr, int tokens_per_seq, int plane) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(trtllm, CPU, m) { m.impl("dspark_paged_kv_append", &trtllm_dspark::paged_kv_append_cpu); }

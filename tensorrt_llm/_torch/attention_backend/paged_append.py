@@ -1,0 +1,135 @@
+"""The page-bounded paged-KV append: a step's new K, V or MLA latents written into each request's
+own pages, refusing (never writing) a slot whose page is not one of its request's.
+
+    values       [T, H, D]  bf16 / fp16 / fp32 (heads and dims contiguous, any token stride)
+    kv_cache     [pages, planes, H, P, D]  the values' dtype, or fp8 (e4m3 / e5m2: cast on write)
+    slot_mapping [T] int64  page * P + offset; -1 = no write (skipped, not refused)
+    block_tables [B, W] int32  request b's pages, BAD_PAGE_INDEX where unallocated
+    qo_indptr    [B + 1] int32 (ragged), or None with tokens_per_seq = q (request b: tokens b*q..)
+    -> refused   [1] int32  writes whose page is not in the token's request row (or outside the pool)
+
+The op is C++ (`cpp/dspark_ops.cpp`, CUDA kernel in `cpp/dspark_ops.cu`, registered as
+`torch.ops.trtllm.dspark_paged_kv_append`); `setup.py` builds it where a CUDA toolchain and a CUDA
+torch are present and skips it elsewhere. Without it, `paged_kv_append` runs `check_paged_kv_append`
+(the C++ validation's messages, word for word) and `reference_paged_kv_append` (torch ops).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_C10_NAMES = {torch.bfloat16: "BFloat16", torch.float16: "Half", torch.float32: "Float", torch.float64: "Double",
+              torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte",
+              torch.bool: "Bool", torch.float8_e4m3fn: "Float8_e4m3fn", torch.float8_e5m2: "Float8_e5m2"}
+_LIBRARY_GLOB = "_dspark_ops*.so"
+_loaded: Optional[bool] = None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """c10's name of a dtype (how the C++ messages print it)."""
+    return _C10_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def _list(xs) -> str:
+    return "[" + ", ".join(str(int(x)) for x in xs) + "]"
+
+
+def op_loaded() -> bool:
+    """Whether `torch.ops.trtllm.dspark_paged_kv_append` exists (loading the built library, next to
+    the package, on the first call)."""
+    global _loaded
+    if _loaded is None:
+        for lib in sorted(Path(__file__).resolve().parents[2].glob(_LIBRARY_GLOB)):
+            torch.ops.load_library(str(lib))
+            break
+        _loaded = hasattr(torch.ops.trtllm, "dspark_paged_kv_append")
+    return _loaded
+
+
+def check_paged_kv_append(values: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                          block_tables: torch.Tensor, qo_indptr: Optional[torch.Tensor], tokens_per_seq: int,
+                          plane: int) -> None:
+    """ValueError unless the inputs are valid (the C++ op's checks, in its order and words)."""
+    def need(ok: bool, *msg) -> None:
+        if not ok:
+            raise ValueError("".join(str(m) for m in msg))
+    need(values.dim() == 3, "DSpark values must be [T, H, D], got ", values.dim(), "-D")
+    need(kv_cache.dim() == 5, "DSpark kv_cache must be [pages, planes, H, P, D], got ", kv_cache.dim(), "-D")
+    vt, ct = values.dtype, kv_cache.dtype
+    need(vt in (torch.bfloat16, torch.float16, torch.float32),
+         "DSpark values dtype must be one of (BFloat16, Half, Float), got ", dtype_name(vt))
+    need(ct == vt or ct in _FP8, "DSpark kv_cache dtype must be the values' (", dtype_name(vt),
+         ") or one of (Float8_e4m3fn, Float8_e5m2), got ", dtype_name(ct))
+    need(kv_cache.shape[0] > 0, "DSpark kv_cache must hold at least one page")
+    need(kv_cache.stride(0) != 0, "DSpark kv_cache page stride must be non-zero, got strides ", _list(kv_cache.stride()))
+    need(values.shape[1] == kv_cache.shape[2], "DSpark num_heads must be the cache's (", kv_cache.shape[2], "), got ",
+         values.shape[1])
+    need(values.shape[2] == kv_cache.shape[4], "DSpark head_dim must be the cache's (", kv_cache.shape[4], "), got ",
+         values.shape[2])
+    need(0 <= plane < kv_cache.shape[1], "DSpark plane must be in [0, ", kv_cache.shape[1], "), got ", plane)
+    need(slot_mapping.dtype == torch.int64, "DSpark slot_mapping must be Long, got ", dtype_name(slot_mapping.dtype))
+    need(slot_mapping.dim() == 1 and slot_mapping.shape[0] == values.shape[0], "DSpark slot_mapping must be [",
+         values.shape[0], "], got ", _list(slot_mapping.shape))
+    need(block_tables.dtype == torch.int32, "DSpark block_tables must be Int, got ", dtype_name(block_tables.dtype))
+    need(block_tables.dim() == 2, "DSpark block_tables must be [B, max_pages], got ", block_tables.dim(), "-D")
+    b = block_tables.shape[0]
+    if qo_indptr is not None:
+        need(qo_indptr.dtype == torch.int32, "DSpark qo_indptr must be Int, got ", dtype_name(qo_indptr.dtype))
+        need(qo_indptr.dim() == 1 and qo_indptr.shape[0] == b + 1, "DSpark qo_indptr must be [", b + 1, "], got ",
+             _list(qo_indptr.shape))
+    else:
+        need(tokens_per_seq > 0 and tokens_per_seq * b == values.shape[0], "DSpark tokens_per_seq must split the ",
+             values.shape[0], " tokens over ", b, " requests without qo_indptr, got ", tokens_per_seq)
+    dev = values.device
+    for name, t in (("kv_cache", kv_cache), ("slot_mapping", slot_mapping), ("block_tables", block_tables),
+                    ("qo_indptr", qo_indptr)):
+        if t is not None:
+            need(t.device == dev, "DSpark ", name, " must be on ", dev, " (the values' device), got ", t.device)
+    need(values.stride(2) == 1 and values.stride(1) == values.shape[2],
+         "DSpark values must have contiguous heads and dims (strides [*, ", values.shape[2], ", 1]), got ",
+         _list(values.stride()))
+    for name, t in (("kv_cache", kv_cache), ("slot_mapping", slot_mapping), ("block_tables", block_tables),
+                    ("qo_indptr", qo_indptr)):
+        if t is not None:
+            need(t.is_contiguous(), "DSpark ", name, " must be contiguous")
+
+
+def reference_paged_kv_append(values: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                              block_tables: torch.Tensor, qo_indptr: Optional[torch.Tensor], tokens_per_seq: int,
+                              plane: int) -> torch.Tensor:
+    """The op's semantics in torch ops (inputs already checked). Returns refused [1] int32."""
+    t_n, dev = values.shape[0], values.device
+    pages, _, heads, p, _ = kv_cache.shape
+    tok = torch.arange(t_n, device=dev)
+    if qo_indptr is not None:
+        owner = torch.searchsorted(qo_indptr[1:-1].long(), tok, right=True)
+    else:
+        owner = tok // tokens_per_seq
+    page = torch.div(slot_mapping, p, rounding_mode="floor")
+    wants = slot_mapping >= 0
+    owned = wants & (block_tables.long()[owner] == page[:, None]).any(1) & (page < pages)
+    keep = owned.nonzero().squeeze(1)
+    if keep.numel():
+        off = slot_mapping[keep] % p
+        src = values[keep].to(kv_cache.dtype)
+        dst = kv_cache[:, plane]
+        if kv_cache.dtype in _FP8:          # fp8 pools are written as their bytes
+            dst, src = dst.view(torch.uint8), src.view(torch.uint8)
+        dst[page[keep], :, off] = src
+    return (wants & ~owned).sum().to(torch.int32).view(1)
+
+
+def paged_kv_append(values: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                    block_tables: torch.Tensor, qo_indptr: Optional[torch.Tensor] = None, tokens_per_seq: int = 0,
+                    plane: int = 0) -> torch.Tensor:
+    """Write `values` into `kv_cache` (in place) at `slot_mapping`, refusing slots outside their
+    request's pages; returns refused [1] int32 (on the values' device, no sync). The C++ op when it
+    is built, else the checked reference."""
+    if op_loaded():
+        return torch.ops.trtllm.dspark_paged_kv_append(values, kv_cache, slot_mapping, block_tables, qo_indptr,
+                                                       tokens_per_seq, plane)
+    check_paged_kv_append(values, kv_cache, slot_mapping, block_tables, qo_indptr, tokens_per_seq, plane)
+    return reference_paged_kv_append(values, kv_cache, slot_mapping, block_tables, qo_indptr, tokens_per_seq, plane)
