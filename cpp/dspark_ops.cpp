@@ -1,3 +1,11 @@
+// DSpark ops (TORCH_LIBRARY(trtllm)): CPU kernels, input checks and the op schemas.
+//
+// trtllm::dspark_quantize_ue8m0(x [M, K], group) -> (q [M, K] float8_e4m3fn, scale [M, ceil(K/group)]
+// uint8): per-token 1 x group blocks, each scaled by its amax / 448 rounded UP to a power of two
+// (the `cvt.rp` semantics; stored as the biased exponent byte, 2^(byte - 127), clamped to [0, 254];
+// amax 0 -> byte 127); q = e4m3(x / scale), round to nearest even. The torch reference is
+// tensorrt_llm/_torch/modules/fp8_block.py (`quantize_blocks(x, 1, group)`): bit for bit equal.
+//
 // trtllm::dspark_paged_kv_append: a step's new K, V or MLA latents written into each request's own
 // pages, with the per-request page bound enforced in the kernel.
 //
@@ -19,6 +27,8 @@
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
 #include <sstream>
 #include <string>
 
@@ -94,7 +104,55 @@ void check_paged_kv_append(const at::Tensor& values, const at::Tensor& kv_cache,
   if (qo_indptr.has_value()) TORCH_CHECK_VALUE(qo_indptr->is_contiguous(), "DSpark qo_indptr must be contiguous");
 }
 
+void check_quantize_ue8m0(const at::Tensor& x, int64_t group) {
+  TORCH_CHECK_VALUE(x.dim() == 2, "DSpark quantize input must be [M, K], got ", x.dim(), "-D");
+  auto t = x.scalar_type();
+  TORCH_CHECK_VALUE(t == at::kBFloat16 || t == at::kHalf || t == at::kFloat,
+                    "DSpark quantize input dtype must be one of (BFloat16, Half, Float), got ", t);
+  TORCH_CHECK_VALUE(group >= 1 && group <= 1024, "DSpark quantize group must be in [1, 1024], got ", group);
+  TORCH_CHECK_VALUE(x.size(1) == 0 || x.stride(1) == 1,
+                    "DSpark quantize input must have a contiguous last dimension, got strides ", x.strides());
+}
+
 namespace {
+
+// The UE8M0 byte of a block with this amax: ceil(log2(amax / 448)) + 127 from frexp, clamped.
+inline int ue8m0_byte(float amax) {
+  float v = amax / 448.0f;
+  if (!(v > 0.0f)) return 127;
+  int e = 0;
+  float m = std::frexp(v, &e);
+  int exp = (m == 0.5f) ? e - 1 : e;
+  return std::min(std::max(exp + 127, 0), 254);
+}
+
+template <typename T>
+void quantize_cpu(const T* x, int64_t stride, int64_t m_n, int64_t k_n, int64_t group, c10::Float8_e4m3fn* q,
+                  uint8_t* scale, int64_t kb) {
+  for (int64_t m = 0; m < m_n; ++m) {
+    for (int64_t g = 0; g < kb; ++g) {
+      int64_t k0 = g * group, k1 = std::min(k0 + group, k_n);
+      float amax = 0.0f;
+      for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(static_cast<float>(x[m * stride + k])));
+      int byte = ue8m0_byte(amax);
+      scale[m * kb + g] = static_cast<uint8_t>(byte);
+      float s = std::ldexp(1.0f, byte - 127);
+      for (int64_t k = k0; k < k1; ++k) q[m * k_n + k] = c10::Float8_e4m3fn(static_cast<float>(x[m * stride + k]) / s);
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_ue8m0_cpu(const at::Tensor& x, int64_t group) {
+  check_quantize_ue8m0(x, group);
+  int64_t m_n = x.size(0), k_n = x.size(1), kb = (k_n + group - 1) / group;
+  auto q = at::empty({m_n, k_n}, x.options().dtype(at::kFloat8_e4m3fn));
+  auto scale = at::empty({m_n, kb}, x.options().dtype(at::kByte));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "dspark_quantize_ue8m0", [&] {
+    quantize_cpu(x.data_ptr<scalar_t>(), x.stride(0), m_n, k_n, group, q.data_ptr<c10::Float8_e4m3fn>(),
+                 scale.data_ptr<uint8_t>(), kb);
+  });
+  return {q, scale};
+}
 
 template <typename V, typename C>
 void append_cpu(const V* values, int64_t value_stride, C* cache, const int64_t* slots, const int32_t* tables,
@@ -155,6 +213,10 @@ TORCH_LIBRARY(trtllm, m) {
   m.def(
       "dspark_paged_kv_append(Tensor values, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, "
       "Tensor? qo_indptr, int tokens_per_seq, int plane) -> Tensor");
+  m.def("dspark_quantize_ue8m0(Tensor x, int group) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(trtllm, CPU, m) { m.impl("dspark_paged_kv_append", &trtllm_dspark::paged_kv_append_cpu); }
+TORCH_LIBRARY_IMPL(trtllm, CPU, m) {
+  m.impl("dspark_paged_kv_append", &trtllm_dspark::paged_kv_append_cpu);
+  m.impl("dspark_quantize_ue8m0", &trtllm_dspark::quantize_ue8m0_cpu);
+}

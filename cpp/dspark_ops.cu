@@ -1,4 +1,4 @@
-// CUDA implementation of trtllm::dspark_paged_kv_append (semantics and validation: dspark_ops.cpp).
+// CUDA kernels of the DSpark ops (semantics and validation: dspark_ops.cpp).
 // One block per token: it finds the token's request (qo_indptr, or t / tokens_per_seq), checks in
 // parallel that the slot's page is one of that request's block-table entries, and then copies the
 // token's H x D values into the page (cast to the cache dtype); a refused write is counted.
@@ -57,7 +57,55 @@ __global__ void paged_kv_append_kernel(const V* __restrict__ values, int64_t val
   }
 }
 
+// One block per (row, group): the group's amax by a block reduction, its UE8M0 byte (frexp, as the
+// CPU kernel and the torch reference), then every element divided by the power-of-two scale and
+// rounded to e4m3 (nearest even, c10's conversion: the reference's).
+template <typename T>
+__global__ void quantize_ue8m0_kernel(const T* __restrict__ x, int64_t stride, int64_t k_n, int64_t group,
+                                      c10::Float8_e4m3fn* __restrict__ q, uint8_t* __restrict__ scale, int64_t kb) {
+  const int64_t m = blockIdx.x, g = blockIdx.y;
+  const int64_t k0 = g * group, k1 = min(k0 + group, k_n);
+  __shared__ float red[kThreads];
+  float amax = 0.0f;
+  for (int64_t k = k0 + threadIdx.x; k < k1; k += blockDim.x) amax = fmaxf(amax, fabsf(static_cast<float>(x[m * stride + k])));
+  red[threadIdx.x] = amax;
+  __syncthreads();
+  for (int w = blockDim.x / 2; w > 0; w /= 2) {
+    if (threadIdx.x < w) red[threadIdx.x] = fmaxf(red[threadIdx.x], red[threadIdx.x + w]);
+    __syncthreads();
+  }
+  const float v = red[0] / 448.0f;
+  int byte = 127;
+  if (v > 0.0f) {
+    int e = 0;
+    const float mant = frexpf(v, &e);
+    byte = min(max(((mant == 0.5f) ? e - 1 : e) + 127, 0), 254);
+  }
+  if (threadIdx.x == 0) scale[m * kb + g] = static_cast<uint8_t>(byte);
+  const float s = ldexpf(1.0f, byte - 127);
+  for (int64_t k = k0 + threadIdx.x; k < k1; k += blockDim.x) {
+    q[m * k_n + k] = c10::Float8_e4m3fn(static_cast<float>(x[m * stride + k]) / s);
+  }
+}
+
 }  // namespace
+
+std::tuple<at::Tensor, at::Tensor> quantize_ue8m0_cuda(const at::Tensor& x, int64_t group) {
+  check_quantize_ue8m0(x, group);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t m_n = x.size(0), k_n = x.size(1), kb = (k_n + group - 1) / group;
+  auto q = at::empty({m_n, k_n}, x.options().dtype(at::kFloat8_e4m3fn));
+  auto scale = at::empty({m_n, kb}, x.options().dtype(at::kByte));
+  if (m_n == 0 || k_n == 0) return {q, scale};
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "dspark_quantize_ue8m0", [&] {
+    quantize_ue8m0_kernel<<<dim3(m_n, kb), kThreads, 0, stream>>>(x.data_ptr<scalar_t>(), x.stride(0), k_n, group,
+                                                                   q.data_ptr<c10::Float8_e4m3fn>(),
+                                                                   scale.data_ptr<uint8_t>(), kb);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {q, scale};
+}
 
 at::Tensor paged_kv_append_cuda(const at::Tensor& values, at::Tensor& kv_cache, const at::Tensor& slot_mapping,
                                 const at::Tensor& block_tables, const std::optional<at::Tensor>& qo_indptr,
@@ -90,4 +138,7 @@ at::Tensor paged_kv_append_cuda(const at::Tensor& values, at::Tensor& kv_cache, 
 
 }  // namespace trtllm_dspark
 
-TORCH_LIBRARY_IMPL(trtllm, CUDA, m) { m.impl("dspark_paged_kv_append", &trtllm_dspark::paged_kv_append_cuda); }
+TORCH_LIBRARY_IMPL(trtllm, CUDA, m) {
+  m.impl("dspark_paged_kv_append", &trtllm_dspark::paged_kv_append_cuda);
+  m.impl("dspark_quantize_ue8m0", &trtllm_dspark::quantize_ue8m0_cuda);
+}

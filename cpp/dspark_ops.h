@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <tuple>
 
 namespace trtllm_dspark {
 
@@ -16,5 +17,11 @@ void check_paged_kv_append(const at::Tensor& values, const at::Tensor& kv_cache,
 at::Tensor paged_kv_append_cuda(const at::Tensor& values, at::Tensor& kv_cache, const at::Tensor& slot_mapping,
                                 const at::Tensor& block_tables, const std::optional<at::Tensor>& qo_indptr,
                                 int64_t tokens_per_seq, int64_t plane);
+
+// Validates the input of trtllm::dspark_quantize_ue8m0 (ValueError; mirrored by
+// tensorrt_llm/_torch/modules/fp8_block.py).
+void check_quantize_ue8m0(const at::Tensor& x, int64_t group);
+
+std::tuple<at::Tensor, at::Tensor> quantize_ue8m0_cuda(const at::Tensor& x, int64_t group);
 
 }  // namespace trtllm_dspark

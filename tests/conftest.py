@@ -305,3 +305,30 @@ def no_device_syncs() -> Callable:
         finally:
             torch.cuda.set_sync_debug_mode(0)
     return forbid
+
+
+@pytest.fixture(scope="session")
+def dspark_ops(tmp_path_factory):
+    """`torch.ops.trtllm` with the DSpark C++ ops registered: the built library when present, else a
+    JIT build of cpp/ (the CUDA kernels too where CUDA and nvcc are; the namespace is registered once
+    per process). Skips without ninja or a C++ compiler."""
+    import shutil
+    import sys
+
+    from tensorrt_llm._torch.attention_backend import cpp_ops
+    if not cpp_ops.ops_loaded():
+        from torch.utils import cpp_extension
+        bin_dir = str(Path(sys.executable).parent)        # the venv's ninja
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+        if shutil.which("ninja") is None or shutil.which("c++") is None:
+            pytest.skip("building the C++ ops needs ninja and a C++ compiler")
+        cpp = Path(__file__).resolve().parents[1] / "cpp"
+        sources = [cpp / "dspark_ops.cpp"]
+        if torch.cuda.is_available() and torch.version.cuda and shutil.which("nvcc"):
+            sources.append(cpp / "dspark_ops.cu")
+        cpp_extension.load(name="dspark_ops_test", sources=[str(s) for s in sources], is_python_module=False,
+                           build_directory=str(tmp_path_factory.mktemp("dspark_ops_build")),
+                           extra_cflags=["-O2"], verbose=False)
+        cpp_ops._loaded = None
+        assert cpp_ops.ops_loaded()
+    return torch.ops.trtllm

@@ -9,23 +9,21 @@ own pages, refusing (never writing) a slot whose page is not one of its request'
     -> refused   [1] int32  writes whose page is not in the token's request row (or outside the pool)
 
 The op is C++ (`cpp/dspark_ops.cpp`, CUDA kernel in `cpp/dspark_ops.cu`, registered as
-`torch.ops.trtllm.dspark_paged_kv_append`); `setup.py` builds it where a CUDA toolchain and a CUDA
-torch are present and skips it elsewhere. Without it, `paged_kv_append` runs `check_paged_kv_append`
+`torch.ops.trtllm.dspark_paged_kv_append`; `cpp_ops.py` loads it). Without it, `paged_kv_append` runs `check_paged_kv_append`
 (the C++ validation's messages, word for word) and `reference_paged_kv_append` (torch ops).
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Optional
 
 import torch
+
+from .cpp_ops import ops_loaded
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _C10_NAMES = {torch.bfloat16: "BFloat16", torch.float16: "Half", torch.float32: "Float", torch.float64: "Double",
               torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte",
               torch.bool: "Bool", torch.float8_e4m3fn: "Float8_e4m3fn", torch.float8_e5m2: "Float8_e5m2"}
-_LIBRARY_GLOB = "_dspark_ops*.so"
-_loaded: Optional[bool] = None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -35,18 +33,6 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def _list(xs) -> str:
     return "[" + ", ".join(str(int(x)) for x in xs) + "]"
-
-
-def op_loaded() -> bool:
-    """Whether `torch.ops.trtllm.dspark_paged_kv_append` exists (loading the built library, next to
-    the package, on the first call)."""
-    global _loaded
-    if _loaded is None:
-        for lib in sorted(Path(__file__).resolve().parents[2].glob(_LIBRARY_GLOB)):
-            torch.ops.load_library(str(lib))
-            break
-        _loaded = hasattr(torch.ops.trtllm, "dspark_paged_kv_append")
-    return _loaded
 
 
 def check_paged_kv_append(values: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -128,7 +114,7 @@ def paged_kv_append(values: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: 
     """Write `values` into `kv_cache` (in place) at `slot_mapping`, refusing slots outside their
     request's pages; returns refused [1] int32 (on the values' device, no sync). The C++ op when it
     is built, else the checked reference."""
-    if op_loaded():
+    if ops_loaded():
         return torch.ops.trtllm.dspark_paged_kv_append(values, kv_cache, slot_mapping, block_tables, qo_indptr,
                                                        tokens_per_seq, plane)
     check_paged_kv_append(values, kv_cache, slot_mapping, block_tables, qo_indptr, tokens_per_seq, plane)

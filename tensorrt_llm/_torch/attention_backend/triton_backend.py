@@ -23,7 +23,8 @@ import torch
 
 from .flashinfer_backend import cache_write_rows, scatter_rows
 from .interface import AttentionBackend, AttentionMetadata, BackendCapabilities, host_ints, write_slots
-from .paged_append import op_loaded, paged_kv_append
+from .cpp_ops import ops_loaded
+from .paged_append import paged_kv_append
 
 LENS_KEY, QO_KEY, VALID_KEY = "triton_kv_lens", "triton_qo_indptr", "triton_slots_valid"
 
@@ -81,7 +82,7 @@ class TritonAttention(AttentionBackend):
 
     def _write(self, kv_cache: torch.Tensor, plane: int, values: torch.Tensor, md: AttentionMetadata) -> None:
         ex = self._extras(md)
-        if op_loaded():    # the C++ op: one kernel, each slot checked against its request's pages
+        if ops_loaded():   # the C++ op: one kernel, each slot checked against its request's pages
             qo = ex.get(QO_KEY)
             paged_kv_append(values, kv_cache, md.slot_mapping, md.block_tables, qo,
                             0 if qo is not None else md.seq_lens[0], plane)

@@ -26,6 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..attention_backend.cpp_ops import ops_loaded
+
+_OP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 E4M3_MAX = 448.0
 UE8M0_BIAS = 127
 FP8_DTYPE = torch.float8_e4m3fn
@@ -87,9 +90,17 @@ def _blocks(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 def quantize_blocks(x: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (q [M, K] float8_e4m3fn, scale bytes [ceil(M/rows), ceil(K/cols)] uint8), one UE8M0
-    scale per rows x cols block (1 x 128: per-token groups; 128 x 128: weight tiles)."""
+    scale per rows x cols block (1 x 128: per-token groups; 128 x 128: weight tiles). Per-token groups
+    run the C++ op `trtllm::dspark_quantize_ue8m0` where it is built (bit for bit this reference)."""
     if x.dim() != 2:
         raise ValueError(f"quantize_blocks needs a 2-D tensor, got shape {tuple(x.shape)}")
+    if rows == 1 and 1 <= cols <= 1024 and x.dtype in _OP_DTYPES and x.stride(-1) == 1 and ops_loaded():
+        return torch.ops.trtllm.dspark_quantize_ue8m0(x, cols)
+    return quantize_blocks_reference(x, rows, cols)
+
+
+def quantize_blocks_reference(x: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_blocks` in torch ops (x 2-D)."""
     b = _blocks(x, rows, cols)
     byte = ue8m0_exponent(b.abs().amax(dim=(1, 3)))                       # [Mb, Kb]
     s = ue8m0_scale(byte)[:, None, :, None]

@@ -10,19 +10,12 @@ GPU: the CUDA kernel equals the reference bitwise and runs inside a captured CUD
 """
 from __future__ import annotations
 
-import os
-import shutil
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-from tensorrt_llm._torch.attention_backend import paged_append
 from tensorrt_llm._torch.attention_backend.interface import BAD_PAGE_INDEX, write_slots
 from tensorrt_llm._torch.attention_backend.paged_append import check_paged_kv_append, reference_paged_kv_append
 
-REPO = Path(__file__).resolve().parents[4]
 P, H, D = 4, 2, 8
 
 
@@ -116,26 +109,9 @@ def test_python_guard_names_the_problem(label, mutate, msg):
     check_paged_kv_append(**args)                      # control: the valid inputs pass
 
 
-def _build(sources: list[Path], tmp: Path):
-    """Load the op into this process (the installed build, else a JIT build of `sources`)."""
-    if paged_append.op_loaded():
-        return torch.ops.trtllm.dspark_paged_kv_append
-    from torch.utils import cpp_extension
-    bin_dir = str(Path(sys.executable).parent)
-    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    if shutil.which("ninja") is None or shutil.which("c++") is None:
-        pytest.skip("building the C++ op needs ninja and a C++ compiler")
-    cpp_extension.load(name="dspark_ops_test", sources=[str(s) for s in sources], is_python_module=False,
-                       build_directory=str(tmp), extra_cflags=["-O2"], verbose=False)
-    paged_append._loaded = None
-    assert paged_append.op_loaded()
-    return torch.ops.trtllm.dspark_paged_kv_append
-
-
 @pytest.fixture(scope="module")
-def cpp_op(tmp_path_factory):
-    return _build([REPO / "cpp" / "dspark_ops.cpp"], tmp_path_factory.mktemp("dspark_ops_build"))
+def cpp_op(dspark_ops):
+    return dspark_ops.dspark_paged_kv_append
 
 
 @pytest.mark.parametrize("ragged", [False, True])
@@ -168,11 +144,8 @@ def test_cpp_messages_equal_the_python_guard(cpp_op, label, mutate, msg):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("ragged", [False, True])
-def test_cuda_kernel_equals_the_reference_in_a_graph(tmp_path_factory, ragged):
-    if shutil.which("nvcc") is None and not paged_append.op_loaded():
-        pytest.skip("building the CUDA op needs nvcc")
-    op = _build([REPO / "cpp" / "dspark_ops.cpp", REPO / "cpp" / "dspark_ops.cu"],
-                tmp_path_factory.mktemp("dspark_ops_cuda"))
+def test_cuda_kernel_equals_the_reference_in_a_graph(cpp_op, ragged):
+    op = cpp_op
     for cache_dtype, value_dtype in ((torch.bfloat16, torch.bfloat16), (torch.float8_e4m3fn, torch.bfloat16)):
         args, want, refused = _case("cuda", cache_dtype, value_dtype, ragged, seed=4)
         ref = dict(args, kv_cache=args["kv_cache"].clone())
@@ -209,7 +182,7 @@ def test_triton_backend_writes_through_the_op(cpp_op, monkeypatch, ragged):
     q, k, v = (torch.randn(t, h, d, generator=g) for h in (4, hkv, hkv))
 
     def run(use_op: bool, foreign: bool = False):
-        monkeypatch.setattr(triton_backend, "op_loaded", lambda: use_op)
+        monkeypatch.setattr(triton_backend, "ops_loaded", lambda: use_op)
         sm = list(slots)
         if foreign:
             sm[-1] = 2 * p + 9          # request 1 writing into request 0's page 2

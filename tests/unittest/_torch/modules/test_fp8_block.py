@@ -77,3 +77,58 @@ def test_quant_config_validation():
                      ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size")):
         with pytest.raises(ValueError, match=msg):
             FP8BlockQuantConfig.from_dict(bad, "cfg")
+
+
+def _quant_inputs(dev: str) -> list[torch.Tensor]:
+    """Rows with amax exactly 448 * 2^k (k = 1, 8, 40), just above (rounded up), 1e3, zero, and a
+    random block of wide dynamic range; K = 260 (the last group short)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(12, 260, generator=g) * torch.logspace(-4, 4, 260)
+    specials = []
+    for k in (1, 8, 40):
+        a = torch.tensor(E4M3_MAX * 2.0 ** k)
+        specials += [a, torch.nextafter(a, torch.tensor(float("inf")))]
+    specials.append(torch.tensor(1e3))
+    for i, a in enumerate(specials):
+        x[i, :128] = torch.randn(128, generator=g).clamp(-1, 1) * a / 2
+        x[i, 7] = -a                                                   # the group's amax, negative
+    x[len(specials), :] = 0.0
+    return [x.to(dev, dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16)]
+
+
+def _check_op_equals_reference(ops, dev: str) -> None:
+    from tensorrt_llm._torch.modules.fp8_block import quantize_blocks_reference
+    for x in _quant_inputs(dev):
+        q, s = ops.dspark_quantize_ue8m0(x, 128)
+        rq, rs = quantize_blocks_reference(x, 1, 128)
+        assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.uint8 and s.shape == (12, 3)
+        assert torch.equal(s, rs), (x.dtype, (s != rs).nonzero()[:4].tolist())
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), x.dtype
+        if x.dtype == torch.float32:      # the boundaries: 448 * 2^k keeps k, one ulp above rounds up
+            assert s[:7, 0].tolist() == [128, 129, 135, 136, 167, 168, 129]
+            assert s[7].tolist() == [127, 127, 127]                    # amax 0 -> scale 1
+
+
+def test_cpp_quantize_equals_the_reference_bitwise(dspark_ops):
+    """trtllm::dspark_quantize_ue8m0 (the C++ CPU kernel) == the torch reference, scale bytes and fp8
+    bits, for float32 / bf16 / fp16 input; and `quantize_blocks` takes it for per-token groups.
+    Negative control: a reference with scales rounded to nearest disagrees at the boundaries."""
+    _check_op_equals_reference(dspark_ops, "cpu")
+    x = _quant_inputs("cpu")[0]
+    near = torch.round(torch.log2(x[:7, :128].abs().amax(1) / E4M3_MAX)) + 127
+    q, s = dspark_ops.dspark_quantize_ue8m0(x, 128)
+    assert near.tolist() != s[:7, 0].tolist()
+    got_q, got_s = quantize_blocks(x, 1, 128)
+    assert torch.equal(got_s, s) and torch.equal(got_q.view(torch.uint8), q.view(torch.uint8))
+    for bad, msg in ((x[0], "must be [M, K], got 1-D"), (x.int(), "dtype must be one of (BFloat16, Half, Float), got Int"),
+                     (x.t(), "must have a contiguous last dimension")):
+        with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+            dspark_ops.dspark_quantize_ue8m0(bad, 128)
+    with pytest.raises(ValueError, match=r"group must be in \[1, 1024\], got 0"):
+        dspark_ops.dspark_quantize_ue8m0(x, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_quantize_equals_the_reference_bitwise(dspark_ops):
+    _check_op_equals_reference(dspark_ops, "cuda")
