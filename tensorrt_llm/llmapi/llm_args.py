@@ -74,6 +74,30 @@ class DSparkDecodingConfig(StrictBaseModel):
         default=None, description="Override of dspark_config.target_layer_ids.")
     accept_stats_dir: Optional[PathStr] = Field(
         default=None, description="Folder for dspark_accept_stats_rank{r}.json (None: not written).")
+    draft_len_schedule: Optional[dict[int, int]] = Field(
+        default=None, description="Generating requests in a step -> drafts verified per request (TensorRT-LLM's "
+        "schedule): {4: 8, 16: 4, 64: 2} verifies 8 drafts at 1-4 requests, 4 at 5-16, 2 at 17-64 and none "
+        "above 64 (such steps decode one token per request). Values <= max_draft_len, not increasing with "
+        "the batch; the drafter always drafts its whole block. None: max_draft_len at every batch size.")
+
+    @field_validator("draft_len_schedule")
+    @classmethod
+    def _check_schedule(cls, v: Optional[dict[int, int]]) -> Optional[dict[int, int]]:
+        if v is None:
+            return v
+        if not v:
+            raise ValueError("draft_len_schedule must not be empty (leave it out for max_draft_len everywhere)")
+        prev = None
+        for batch in sorted(v):
+            n = v[batch]
+            if batch < 1 or n < 0:
+                raise ValueError(f"draft_len_schedule entry {batch}: {n} needs a batch size >= 1 and a draft "
+                                 "length >= 0")
+            if prev is not None and n > prev:
+                raise ValueError(f"draft_len_schedule must not increase with the batch size: {batch}: {n} after "
+                                 f"{prev}")
+            prev = n
+        return dict(sorted(v.items()))
 
 
 SpeculativeConfig = Annotated[Union[DSparkDecodingConfig], Field(discriminator="decoding_type")]

@@ -176,8 +176,8 @@ class CUDAGraphRunner:
         rows = self.kv.rows(rids)
         starts = np.fromiter((s.start for s in segments), dtype=np.int64, count=len(segments))
         shifted = any(s.start_shift is not None for s in segments)
-        # a continued segment starts up to q positions later: all of those slots must be owned
-        slots = self.kv.slots_batch(rids, starts, 2 * q if shifted else q, rows=rows)
+        # a continued segment starts up to the widest q positions later: all of those slots must be owned
+        slots = self.kv.slots_batch(rids, starts, max(self.token_counts) + q if shifted else q, rows=rows)
         if not owned_rows(slots).all():
             return None
         return StepPlan(self._bucket(len(segments)), q, slots[:, :q], rows, starts, shifted)

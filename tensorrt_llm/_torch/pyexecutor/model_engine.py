@@ -30,7 +30,9 @@ class ModelEngine:
     def __init__(self, model: torch.nn.Module, kv: KVCacheManager, backend: AttentionBackend,
                  device: torch.device, capture_layer_ids: Sequence[int] = (),
                  use_cuda_graph: bool = False, max_batch_size: int = 1, tokens_per_gen: int = 1,
-                 max_num_tokens: int = 2048):
+                 max_num_tokens: int = 2048, verify_widths: Sequence[int] = ()):
+        """tokens_per_gen: the widest generation segment (1 + K); verify_widths: every verify
+        segment length a step may use (graphs are captured for each, and for decode)."""
         self.model = model
         self.kv = kv
         self.backend = backend
@@ -45,10 +47,11 @@ class ModelEngine:
         self.piecewise: Optional[PiecewiseGraphRunner] = None
         if use_cuda_graph:
             self.graph_runner = CUDAGraphRunner(model, kv, backend, self.kv_caches, device, max_batch_size,
-                                                token_counts=sorted({1, tokens_per_gen}),
+                                                token_counts=sorted({1, tokens_per_gen, *verify_widths}),
                                                 capture_layer_ids=self.capture_layer_ids)
             self.piecewise = PiecewiseGraphRunner(model, kv, backend, self.kv_caches, device,
                                                   max(max_num_tokens, tokens_per_gen), self.capture_layer_ids)
+        self.max_shift = tokens_per_gen  # a continued segment starts at most this many positions late
         self.num_eager_steps = 0
         self.num_continued_steps = 0     # steps launched from the device rows of the step in flight
 
@@ -112,7 +115,7 @@ class ModelEngine:
         start = starts + shift
         table = host_ints(self.kv.page_table[self.kv.rows(rids)], dev, torch.int32)
         pos, slots = device_positions(start, q, table, self.kv.tokens_per_block)
-        bound = max(s.start for s in segments) + 2 * q
+        bound = max(s.start for s in segments) + self.max_shift + q
         md = AttentionMetadata(seq_lens=[q] * b, num_cached=[s.start for s in segments], block_tables=table,
                                slot_mapping=slots, tokens_per_block=self.kv.tokens_per_block, causal=True,
                                kv_lens_device=(start + q).to(torch.int32), kv_len_bound=bound)

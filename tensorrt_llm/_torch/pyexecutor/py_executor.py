@@ -329,16 +329,19 @@ class PyExecutor:
             segments.append(ForwardSegment(req.request_id, req.prompt_token_ids[start:start + n],
                                            start, 1 if finishes else 0))
         ahead = self._spec_inflight.ahead if self._spec_inflight is not None else None
-        for req in batch.generation_requests:
+        gens = batch.generation_requests
+        n = self.drafter.draft_len(len(gens)) if self.drafter is not None else 0
+        late = 1 + self.drafter.max_draft_len if self.drafter is not None else 0   # a continued start's most
+        for req in gens:
             start, shift = req.num_computed, None
             if ahead is not None and req.request_id in ahead.rows:
                 # continued: [anchor, drafts] and the count the step in flight commits, on the device
-                toks, shift = ahead.next_segment(req.request_id), ahead.committed(req.request_id)
+                toks, shift = ahead.next_segment(req.request_id, n), ahead.committed(req.request_id)
             elif self.drafter is not None:
-                toks = self.drafter.verify_tokens(req)
+                toks = self.drafter.verify_tokens(req, n)
             else:   # overlap: the previous step's token is still on the device
                 toks = req.next_input if req.next_input is not None else [req.token_at(start)]
-            ensure(req.request_id, start + len(toks) * (2 if shift is not None else 1) + room)
+            ensure(req.request_id, start + len(toks) + (late if shift is not None else 0) + room)
             segments.append(ForwardSegment(req.request_id, toks, start, len(toks), shift))
         return batch.context_requests + batch.generation_requests, segments
 
@@ -493,7 +496,7 @@ class PyExecutor:
                     req.num_computed += 1
                     self._append(req, [chosen[lo]])
                 else:   # the host count is the segment's real start (a continued one's shift is read)
-                    new = drafter.accept(req, verified[req.request_id])
+                    new = drafter.accept(req, verified[req.request_id], len(seg.token_ids) - 1)
                     start = req.num_computed
                     req.num_computed += len(new)
                     commits.append(StepCommit(req, out.token_offsets[i], start, len(new)))

@@ -83,7 +83,7 @@ def create_py_executor(args: TorchLlmArgs, tokenizer: TokenizerWrapper) -> Execu
     capture = drafter.capture_layer_ids if drafter else ()
     engine = ModelEngine(model, kv, backend, device, capture, use_cuda_graph=args.use_cuda_graph,
                          max_batch_size=args.max_batch_size, tokens_per_gen=tokens_per_gen,
-                         max_num_tokens=args.max_num_tokens)
+                         max_num_tokens=args.max_num_tokens, verify_widths=drafter.verify_widths if drafter else ())
     sched = Scheduler(kv, args.max_batch_size, max(args.max_num_tokens, tokens_per_gen),
                       args.enable_chunked_prefill, tokens_per_gen, spec_slack=spec_slack,
                       batch_wait_timeout_iters=args.batch_wait_timeout_iters,

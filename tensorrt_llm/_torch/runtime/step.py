@@ -87,9 +87,9 @@ class DraftsAhead:
         """[d1..dK] of a request."""
         return self.tokens.row(self.rows[request_id], offset=2)
 
-    def next_segment(self, request_id: int) -> TokenRow:
-        """[anchor, d1..dK]: the request's next verify segment."""
-        return self.tokens.row(self.rows[request_id], offset=1)
+    def next_segment(self, request_id: int, num_drafts: int) -> TokenRow:
+        """[anchor, d1..dn]: the request's next verify segment with its first n drafts."""
+        return self.tokens.row(self.rows[request_id], 1 + num_drafts, offset=1)
 
     def committed(self, request_id: int) -> TokenRow:
         """[committed]: the next segment's start shift."""

@@ -21,8 +21,9 @@ written (`DSparkWorker.draft`, after the host update). A request whose host upda
 stops it is finished, so a running request's host count always equals the device count.
 
 Eligible (decided on the host before the sync): GENERATION, greedy, a verify segment of q
-rows, every slot from start to start+q+S-1 owned (to start+2q+S-1 for a continued segment,
-whose shift is at most q); at most the largest bucket. Padding rows live in the scratch page
+rows (one of the verify widths; a launch takes one q: the step's), every slot from start to
+start+q+S-1 owned (to start+q_max+q+S-1 for a continued segment, whose shift is at most the
+widest q); at most the largest bucket. One graph per (bucket, q). Padding rows live in the scratch page
 (start 0, verify row [0, -1, ..]: ctx' = 1, block 1..S, so q, S + 1 <= P). Inputs are staged
 in one pinned host buffer and sent with one non-blocking copy; the shifts are gathered on the
 device::
@@ -57,6 +58,7 @@ class DraftPlan:
     """Host-side inputs of a draft launch (B requests)."""
 
     bucket: int
+    q: int                    # verify rows per request of this launch
     starts: np.ndarray        # [B] int64 first committed position (the anchor's), before any shift
     rows: np.ndarray          # [B] int64 rows of kv.page_table
 
@@ -67,6 +69,7 @@ class _DraftEntry(GraphEntry):
     draft ids)."""
 
     bucket: int = 0
+    q: int = 0                                 # verify rows per request
     captured: Optional[torch.Tensor] = None    # [bucket*q, n*H] target dtype
     verified: Optional[torch.Tensor] = None    # [bucket, q] int64, -1 padded
     starts: Optional[torch.Tensor] = None      # [bucket] int64 (view of io)
@@ -84,24 +87,27 @@ class DraftGraphRunner:
 
     def __init__(self, drafter: torch.nn.Module, kv: KVCacheManager, backend: AttentionBackend,
                  kv_caches: Sequence[torch.Tensor], device: torch.device, max_batch_size: int,
-                 verify_tokens: int, num_drafts: int, buckets: Optional[Sequence[int]] = None,
+                 verify_widths: Sequence[int], num_drafts: int, buckets: Optional[Sequence[int]] = None,
                  capture: bool = True):
+        """verify_widths: the verify segment lengths q a launch may have (one graph per bucket and q)."""
         cfg = drafter.config
+        q_max = max(verify_widths)
         if not backend.capabilities.device_lengths:
             raise ValueError(f"the draft graph needs an attention backend that reads lengths on the device; "
                              f"{backend.name} plans on the host")
         if capture:
-            check_graph_support(device, backend, max(verify_tokens, cfg.block_size + 1), kv.tokens_per_block,
+            check_graph_support(device, backend, max(q_max, cfg.block_size + 1), kv.tokens_per_block,
                                 "the drafter's attention backend")
-        elif max(verify_tokens, cfg.block_size + 1) > kv.tokens_per_block:
-            raise ValueError(f"the device draft step pads in one page: {max(verify_tokens, cfg.block_size + 1)} "
+        elif max(q_max, cfg.block_size + 1) > kv.tokens_per_block:
+            raise ValueError(f"the device draft step pads in one page: {max(q_max, cfg.block_size + 1)} "
                              f"tokens exceed tokens_per_block {kv.tokens_per_block}")
-        if verify_tokens > cfg.block_size + 1:
-            raise ValueError(f"verify_tokens {verify_tokens} > block_size + 1 ({cfg.block_size + 1})")
+        if q_max > cfg.block_size + 1 or min(verify_widths) < 1:
+            raise ValueError(f"verify widths {sorted(verify_widths)} outside [1, block_size + 1 = {cfg.block_size + 1}]")
         self.drafter, self.kv, self.backend = drafter, kv, backend
         self.kv_caches = list(kv_caches)
         self.device = device
-        self.q = verify_tokens
+        self.widths = frozenset(verify_widths)
+        self.q_max = q_max
         self.block_size = cfg.block_size
         self.k_max = num_drafts
         self.mask_token_id = cfg.mask_token_id
@@ -116,24 +122,26 @@ class DraftGraphRunner:
     def plan(self, items: Sequence[VerifiedSegment], counts: Sequence[int]) -> tuple[list[int], Optional[DraftPlan]]:
         """(indices of the items that can launch, in order; their `DraftPlan`), ([], None) when none
         can. counts[i]: tokens of item i's verify segment (captured rows)."""
-        q, s = self.q, self.block_size
+        s = self.block_size
         cand = [i for i, (it, n) in enumerate(zip(items, counts))
-                if n == q and it.req.state == RequestState.GENERATION and not it.req.is_finished
+                if n in self.widths and it.req.state == RequestState.GENERATION and not it.req.is_finished
                 and it.req.sampling_params.greedy]
         if not cand:
             return [], None
+        q = max(counts[i] for i in cand)        # one width per launch (a step verifies one draft length)
+        cand = [i for i in cand if counts[i] == q]
         rids = [items[i].req.request_id for i in cand]
         starts = np.fromiter((items[i].start for i in cand), dtype=np.int64, count=len(cand))
         shifted = np.fromiter((items[i].start_shift is not None for i in cand), dtype=bool, count=len(cand))
         rows = self.kv.rows(rids)
-        # context, then the furthest block (a continued segment starts up to q positions later)
-        slots = self.kv.slots_batch(rids, starts, 2 * q + s if shifted.any() else q + s, rows=rows)
+        # context, then the furthest block (a continued segment starts up to q_max positions later)
+        slots = self.kv.slots_batch(rids, starts, self.q_max + q + s if shifted.any() else q + s, rows=rows)
         owned = np.where(shifted, owned_rows(slots), owned_rows(slots[:, :q + s]))
         ok = np.flatnonzero(owned)[:self.buckets[-1]]
         if not len(ok):
             return [], None
         bucket = next(x for x in self.buckets if x >= len(ok)) if self.graphs.capture else len(ok)
-        return [cand[k] for k in ok.tolist()], DraftPlan(bucket, starts[ok], rows[ok])
+        return [cand[k] for k in ok.tolist()], DraftPlan(bucket, q, starts[ok], rows[ok])
 
     # ---- run -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -149,7 +157,7 @@ class DraftGraphRunner:
         if plan is None:
             return None
         group = [items[i] for i in idx]
-        q, b = self.q, len(group)
+        q, b = plan.q, len(group)
         row0s = [it.row0 for it in group]
         if row0s == list(range(row0s[0], row0s[0] + b * q, q)):
             group_captured = captured[row0s[0]:row0s[0] + b * q]
@@ -161,8 +169,8 @@ class DraftGraphRunner:
             group_verified = verified[vrows[0]:vrows[0] + b]
         else:
             group_verified = verified.index_select(0, host_ints(vrows, verified.device))
-        entry = self.graphs.entry(plan.bucket, lambda: self._new_entry(plan.bucket, captured.shape[1],
-                                                                        captured.dtype))
+        entry = self.graphs.entry((plan.bucket, q), lambda: self._new_entry(plan.bucket, q, captured.shape[1],
+                                                                             captured.dtype))
         self._load_inputs(entry, b, group_captured, group_verified, plan, [it.start_shift for it in group])
         if entry.graph is None and self.graphs.capture:
             logger.info("capturing draft CUDA graph for batch bucket %d (%d verify rows, block %d)",
@@ -178,8 +186,8 @@ class DraftGraphRunner:
         table = buf[bucket:].view(torch.int32)[:bucket * width].view(bucket, width)
         return buf[:bucket], table
 
-    def _new_entry(self, bucket: int, width: int, dtype: torch.dtype) -> _DraftEntry:
-        q, s, dev = self.q, self.block_size, self.device
+    def _new_entry(self, bucket: int, q: int, width: int, dtype: torch.dtype) -> _DraftEntry:
+        s, dev = self.block_size, self.device
         words = bucket + -(-bucket * self.kv.max_blocks_per_seq // 2)
         io = torch.zeros(words, dtype=torch.long, device=dev)
         host = torch.zeros(words, dtype=torch.long, pin_memory=dev.type == "cuda")
@@ -191,7 +199,7 @@ class DraftGraphRunner:
                                kv_lens_device=torch.full((bucket,), s, dtype=torch.int32, device=dev))
         verified = torch.full((bucket, q), -1, dtype=torch.long, device=dev)
         verified[:, 0] = 0
-        return _DraftEntry(bucket=bucket, captured=torch.zeros(bucket * q, width, dtype=dtype, device=dev),
+        return _DraftEntry(bucket=bucket, q=q, captured=torch.zeros(bucket * q, width, dtype=dtype, device=dev),
                            verified=verified, starts=starts, shift=torch.zeros(bucket, dtype=torch.long, device=dev),
                            md=md, io=io, host=host, host_views=tuple(t.numpy() for t in self._io_views(host, bucket)))
 
@@ -199,7 +207,7 @@ class DraftGraphRunner:
                      plan: DraftPlan, shifts: Sequence = ()) -> None:
         """Stage the padded host inputs (one non-blocking copy) and the group's device rows.
         shifts[j]: request j's start shift (`VerifiedSegment.start_shift`) or None."""
-        q, bucket, scratch = self.q, entry.bucket, self.scratch_page
+        q, bucket, scratch = entry.q, entry.bucket, self.scratch_page
         if captured.shape[0] != b * q or verified.shape != (b, q):
             raise ValueError(f"draft group of {b} requests: captured {tuple(captured.shape)}, verified "
                              f"{tuple(verified.shape)} (q={q})")
@@ -225,13 +233,13 @@ class DraftGraphRunner:
             entry.verified[b:] = -1
             entry.verified[b:, 0] = 0
         entry.md.graph_shape = (bucket, self.block_size, self.kv.max_blocks_per_seq)
-        entry.md.kv_len_bound = int(plan.starts.max()) + 2 * q + self.block_size   # a host bound (VANILLA)
+        entry.md.kv_len_bound = int(plan.starts.max()) + self.q_max + q + self.block_size   # a host bound (VANILLA)
         self.backend.prepare(entry.md)     # host-side checks only: the graph computes the lengths
 
     def _forward(self, entry: _DraftEntry) -> torch.Tensor:
         d, md, s, p = self.drafter, entry.md, self.block_size, self.kv.tokens_per_block
         start = entry.starts + entry.shift
-        ctx_pos, ctx_slots = device_positions(start, self.q, md.block_tables, p)
+        ctx_pos, ctx_slots = device_positions(start, entry.q, md.block_tables, p)
         committed = (entry.verified >= 0).sum(1)                              # [bucket] 1..q
         anchors = entry.verified.gather(1, (committed - 1)[:, None])[:, 0]
         new_ctx = start + committed

@@ -61,6 +61,11 @@ class DSparkWorker(Drafter):
         self.identity = identity
         self.block_size = dc.block_size
         self._max_draft_len = cfg.max_draft_len or dc.num_drafts
+        sched = cfg.draft_len_schedule or {}
+        too_long = {b: n for b, n in sched.items() if n > self._max_draft_len}
+        if too_long:
+            raise ValueError(f"draft_len_schedule {too_long} exceeds max_draft_len {self._max_draft_len}")
+        self._schedule = sorted(sched.items())
         self.mask_token_id = dc.mask_token_id
         self._capture_layer_ids = list(dc.target_layer_ids)
         self._kv_cache_spec = draft_kv_cache_spec(drafter, dtype)
@@ -125,7 +130,7 @@ class DSparkWorker(Drafter):
             return
         self.graph_backend = backend.name
         self.graph_runner = DraftGraphRunner(self.drafter, self.kv, backend, self.kv_caches, self.device,
-                                             max_batch_size, verify_tokens=1 + self.max_draft_len,
+                                             max_batch_size, verify_widths=self.verify_widths,
                                              num_drafts=self.max_draft_len, capture=cuda_graphs)
 
     @property
@@ -141,12 +146,23 @@ class DSparkWorker(Drafter):
                 "device_draft_backend": self.graph_backend}
 
     # ---- verification ------------------------------------------------------------------
-    def verify_tokens(self, req: LlmRequest) -> Sequence[int]:
+    def draft_len(self, batch_size: int) -> int:
+        if not self._schedule:
+            return self.max_draft_len
+        return next((n for b, n in self._schedule if batch_size <= b), 0)
+
+    @property
+    def verify_widths(self) -> Sequence[int]:
+        # with a schedule, batches above its largest key verify no draft: width 1
+        return sorted({1 + self.max_draft_len} | {1 + n for _, n in self._schedule} | ({1} if self._schedule else set()))
+
+    def verify_tokens(self, req: LlmRequest, num_drafts: int) -> Sequence[int]:
         anchor = req.token_at(req.num_computed)
         drafts = req.draft_tokens
+        n = min(num_drafts, len(drafts))
         if isinstance(drafts, TokenRow):   # still on the device: the graph gathers them there
-            return VerifyTokens(anchor, drafts)
-        return [anchor, *drafts]
+            return VerifyTokens(anchor, TokenRow(drafts.pending, drafts.index, n, drafts.offset)) if n else [anchor]
+        return [anchor, *list(drafts)[:n]]
 
     def verify(self, reqs: Sequence[LlmRequest], drafts: Sequence[Sequence[int]], logits: torch.Tensor,
                offsets: Sequence[int], counts: Sequence[int]) -> torch.Tensor:
@@ -158,7 +174,8 @@ class DSparkWorker(Drafter):
             request_ids=[r.request_id for r in reqs], params=[r.sampling_params for r in reqs],
             draft_token_ids=self._draft_ids(drafts, rows.shape[1] - 1, logits.device),
             num_draft_tokens=host_ints([c - 1 for c in counts], logits.device), target_logits=rows,
-            draft_probs=[r.draft_probs for r in reqs] if any(r.draft_probs is not None for r in reqs) else None)
+            draft_probs=([None if r.draft_probs is None else r.draft_probs[:len(d)] for r, d in zip(reqs, drafts)]
+                         if any(r.draft_probs is not None for r in reqs) else None))
         return self.rejection.forward(meta)
 
     @staticmethod
@@ -185,17 +202,18 @@ class DSparkWorker(Drafter):
                                    pend.device.index_select(0, host_ints([t.index for t in toks], device))[:, cols])
         return out
 
-    def accept(self, req: LlmRequest, verified: Sequence[int]) -> list[int]:
+    def accept(self, req: LlmRequest, verified: Sequence[int], num_drafts: int) -> list[int]:
         # A greedy request keeps all K drafts near max_tokens (so its verify segment keeps the
         # graph's shape): commit at most what it may still emit, and count only the drafts whose
         # acceptance could have been committed (cap - 1: the last committed slot is the target's).
-        drafts = req.draft_tokens
+        # A step that verified no draft (draft_len 0 at its batch size) records nothing.
         cap = max(1, req.sampling_params.max_tokens - len(req.output_token_ids))
-        usable = min(len(drafts), cap - 1)
-        accepted = min(len(verified) - 1, usable)
-        self.stats_.record(accepted, usable)
-        req.num_verify_steps += 1
-        req.num_accepted_drafts += accepted
+        if num_drafts:
+            usable = min(num_drafts, cap - 1)
+            accepted = min(len(verified) - 1, usable)
+            self.stats_.record(accepted, usable)
+            req.num_verify_steps += 1
+            req.num_accepted_drafts += accepted
         req.draft_tokens, req.draft_probs = [], None
         return list(verified[:cap])
 

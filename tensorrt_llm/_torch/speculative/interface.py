@@ -2,7 +2,8 @@
 
 A step with a drafter, as `PyExecutor.step` runs it::
 
-    segments  : prompt chunks | [anchor, d1..dK] per generating request   (verify_tokens)
+    segments  : prompt chunks | [anchor, d1..dn] per generating request   (verify_tokens;
+                n = draft_len(generating requests in the step) <= K)
     forward   : target logits of the wanted rows + captured hidden rows
     verify    : [G, K+1] output ids on the device (accepted drafts, one target token, -1 pad)
     draft_ahead: the next drafts launched from the device-side verify output (no wait)
@@ -65,8 +66,18 @@ class Drafter(ABC):
         return False
 
     @abstractmethod
-    def verify_tokens(self, req: LlmRequest) -> Sequence[int]:
-        """The verify segment [anchor, d1..dk] of a generating request (drafts may stay on the device)."""
+    def draft_len(self, batch_size: int) -> int:
+        """Drafts to verify per request in a step of `batch_size` generating requests (0..K)."""
+
+    @property
+    @abstractmethod
+    def verify_widths(self) -> Sequence[int]:
+        """Every verify segment length a step may use (1 + `draft_len`): graphs are captured for these."""
+
+    @abstractmethod
+    def verify_tokens(self, req: LlmRequest, num_drafts: int) -> Sequence[int]:
+        """The verify segment [anchor, d1..dn] of a generating request, n = min(num_drafts, its drafts)
+        (drafts may stay on the device)."""
 
     @abstractmethod
     def verify(self, reqs: Sequence[LlmRequest], drafts: Sequence[Sequence[int]], logits: torch.Tensor,
@@ -87,9 +98,10 @@ class Drafter(ABC):
         return None
 
     @abstractmethod
-    def accept(self, req: LlmRequest, verified: Sequence[int]) -> list[int]:
-        """A request's host row of `verify` (without its -1 padding) -> the tokens to commit (at
-        most max_tokens - emitted, at least 1); records acceptance and clears the request's drafts."""
+    def accept(self, req: LlmRequest, verified: Sequence[int], num_drafts: int) -> list[int]:
+        """A request's host row of `verify` (without its -1 padding) for a segment of `num_drafts`
+        drafts -> the tokens to commit (at most max_tokens - emitted, at least 1); records acceptance
+        (steps with drafts) and clears the request's drafts."""
 
     @abstractmethod
     def draft(self, commits: Sequence[StepCommit], captured: Optional[torch.Tensor],

@@ -183,15 +183,19 @@ def test_dspark_steps_never_block_on_the_gpu(llama64_dir, tmp_path_factory, no_d
 
 
 @gpu
-@pytest.mark.parametrize("kind", ["gqa", "mla"])
-def test_overlapped_dspark_steps_are_lossless_and_never_block(llama64_dir, tmp_path_factory, no_device_syncs, kind):
+@pytest.mark.parametrize("kind,schedule", [("gqa", None), ("mla", None), ("gqa", {2: 8, 4: 3})])
+def test_overlapped_dspark_steps_are_lossless_and_never_block(llama64_dir, tmp_path_factory, no_device_syncs, kind,
+                                                              schedule):
     """The overlap scheduler with DSpark on the GPU (TRITON target: KV lengths read on the device;
     graphs): 20 steady-state steps, each a whole-step graph of continued verify segments (starts
     shifted on the device) launched before the step in flight is read, one draft launch each,
     no blocking torch op (`set_sync_debug_mode("error")`); output == the no-spec engine's with the
-    same backend, token for token, and == the DSpark loop without overlap."""
+    same backend, token for token, and == the DSpark loop without overlap. Also with a draft-length
+    schedule (a narrower verify width than the drafted block)."""
     drafter = _drafter(tmp_path_factory, llama64_dir, kind)
     spec = {"decoding_type": "DSpark", "speculative_model": str(drafter)}
+    if schedule:     # 4 requests: 3 drafts verified per step (graphs for widths 1, 4 and 9)
+        spec["draft_len_schedule"] = schedule
     common = dict(device="cuda", attn_backend="TRITON", max_batch_size=4, use_cuda_graph=True,
                   kv_cache_config={"max_tokens": 8192, "tokens_per_block": 16})
     params = SamplingParams(max_tokens=160, ignore_eos=True)

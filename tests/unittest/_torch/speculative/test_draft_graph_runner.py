@@ -39,7 +39,7 @@ P, Q, S = 16, 5, 4          # page, verify rows (K+1; K = 4 drafts with shift_la
 def _runner(kv, drafter=None, kv_caches=(), buckets=None):
     drafter = drafter or SimpleNamespace(config=SimpleNamespace(block_size=S, mask_token_id=511))
     return DraftGraphRunner(drafter, kv, TritonAttention(), list(kv_caches), torch.device("cpu"), 8,
-                            verify_tokens=Q, num_drafts=Q - 1, buckets=buckets, capture=False)
+                            verify_widths=[Q], num_drafts=Q - 1, buckets=buckets, capture=False)
 
 
 def _padded_runner(kv, buckets=None):
@@ -130,7 +130,7 @@ def test_load_inputs_stages_one_padded_buffer():
     runner = _padded_runner(kv, buckets=[4])
     idx, plan = runner.plan(items, [Q] * 3)
     assert idx == [0, 1, 2] and plan.bucket == 4
-    entry = runner._new_entry(4, 6, torch.float32)
+    entry = runner._new_entry(4, Q, 6, torch.float32)
     captured = torch.randn(3 * Q, 6)
     verified = torch.tensor([_verify_row(r, s, n) for r, s, n in zip(reqs, (20, 8, 30), (2, 5, 1))])
     from tensorrt_llm._torch.runtime.token_rows import PendingTokens
@@ -254,7 +254,7 @@ def test_executor_launches_drafts_ahead_losslessly_within_owned_pages(make_llm, 
     worker = llm._executor.drafter
     k = worker.max_draft_len
     runner = DraftGraphRunner(worker.drafter, worker.kv, TritonAttention(), worker.kv_caches, torch.device("cpu"),
-                              4, verify_tokens=k + 1, num_drafts=k, capture=False)
+                              4, verify_widths=[k + 1], num_drafts=k, capture=False)
     worker.graph_runner = runner
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert got == want

@@ -236,12 +236,12 @@ def test_full_drafts_near_max_tokens_commit_capped(tiny_llama_dir, drafters, bas
             lengths.append(k)
             req.draft_tokens = truth[tuple(req.prompt_token_ids)][len(req.output_token_ids):][:k]
 
-    def counting_accept(self, req, verified):
+    def counting_accept(self, req, verified, num_drafts):
         if uncapped["hist"] is None:
             uncapped["hist"] = [0] * (self.max_draft_len + 1)
         uncapped["hist"][len(verified) - 1] += 1          # every verified draft, past the cap too
-        uncapped["drafted"] += len(req.draft_tokens)
-        return orig_accept(self, req, verified)
+        uncapped["drafted"] += num_drafts
+        return orig_accept(self, req, verified, num_drafts)
 
     monkeypatch.setattr(DSparkWorker, "_draft_group", oracle)
     monkeypatch.setattr(DSparkWorker, "accept", counting_accept)
