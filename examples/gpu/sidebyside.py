@@ -15,7 +15,8 @@ it exports PYTHONPATH / FLASHINFER_WORKSPACE_BASE and puts the model, drafters a
          carry=[], timeout_s=600)
   Fewer arms or levels: --arms nospec,gqa --concurrency 1 16; another drafter: --gqa DIR; extra engine
   args for all engine arms: --extra-yaml 'batch_wait_timeout_iters: 8'; DSpark arms on the TRITON target
-  (overlapped DSpark steps) next to a FLASHINFER no-spec: --spec-backend TRITON.
+  (overlapped DSpark steps) next to a FLASHINFER no-spec: --spec-backend TRITON; a batch-aware verify
+  width: --spec-extra-yaml '{draft_len_schedule: {4: 8, 16: 4, 64: 2}}'.
 Rough time of (2) on one H200 at the 2026-12-01 speeds: ~60 s per round of the four arms, plus building
 the three engines and compiling HF (~1-2 min with warm caches); --deadline-s (default 540) starts no
 round that would end past it, and the JSON / markdown are rewritten after every round.
@@ -46,15 +47,20 @@ def drafter_dir(kind: str) -> str:
 
 
 def arm_specs(arms: Sequence[str], gqa: str, mla: str, backend: str, graphs: bool, kv_tokens: int,
-              extra_yaml: Optional[str], spec_backend: Optional[str] = None) -> list[str]:
+              extra_yaml: Optional[str], spec_backend: Optional[str] = None,
+              spec_extra_yaml: Optional[str] = None) -> list[str]:
     """``NAME=SPEC`` arguments of tensorrt_llm.bench.sidebyside for the preset arm names
-    (spec_backend: the DSpark arms' target attention backend, default `backend`)."""
+    (spec_backend: the DSpark arms' target attention backend, default `backend`; spec_extra_yaml:
+    a mapping merged into their speculative_config, e.g. a draft_len_schedule)."""
     engine = {"attn_backend": backend, "use_cuda_graph": graphs, "kv_cache_config": {"max_tokens": kv_tokens}}
     if extra_yaml:
         extra = yaml.safe_load(extra_yaml)
         if not isinstance(extra, dict):
             raise ValueError(f"--extra-yaml {extra_yaml!r} is not a YAML mapping")
         engine.update(extra)
+    spec_extra = yaml.safe_load(spec_extra_yaml) if spec_extra_yaml else {}
+    if not isinstance(spec_extra, dict):
+        raise ValueError(f"--spec-extra-yaml {spec_extra_yaml!r} is not a YAML mapping")
     out = []
     for a in arms:
         if a == "hf":
@@ -63,7 +69,7 @@ def arm_specs(arms: Sequence[str], gqa: str, mla: str, backend: str, graphs: boo
             out.append("nospec=" + yaml.safe_dump(engine, default_flow_style=True).strip())
         elif a in ("gqa", "mla"):
             spec = {**engine, "speculative_config": {"decoding_type": "DSpark",
-                                                     "speculative_model": gqa if a == "gqa" else mla}}
+                                                     "speculative_model": gqa if a == "gqa" else mla, **spec_extra}}
             if spec_backend:
                 spec["attn_backend"] = spec_backend
             out.append(f"{a}=" + yaml.safe_dump(spec, default_flow_style=True).strip())
@@ -80,7 +86,8 @@ def build_argv(a: argparse.Namespace) -> list[str]:
         argv += ["--prompts-file", a.prompts_file]
     else:
         argv += ["--dataset", "mtbench"] + (["--dataset-cache-dir", a.dataset_cache_dir] if a.dataset_cache_dir else [])
-    for spec in arm_specs(arms, a.gqa, a.mla, a.backend, a.graphs, a.kv_tokens, a.extra_yaml, a.spec_backend):
+    for spec in arm_specs(arms, a.gqa, a.mla, a.backend, a.graphs, a.kv_tokens, a.extra_yaml, a.spec_backend,
+                          a.spec_extra_yaml):
         argv += ["--arm", spec]
     if "nospec" in arms and len(arms) > 1:
         argv += ["--ratio-to", "nospec"]
@@ -110,6 +117,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--backend", default="FLASHINFER")
     ap.add_argument("--spec-backend", default=None, help="the DSpark arms' target backend (default --backend); "
                     "TRITON reads KV lengths on the device, so DSpark steps overlap")
+    ap.add_argument("--spec-extra-yaml", default=None, help="YAML mapping merged into the DSpark arms' "
+                    "speculative_config, e.g. '{draft_len_schedule: {4: 8, 16: 4, 64: 2}}'")
     ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True, help="use_cuda_graph")
     ap.add_argument("--kv-tokens", type=int, default=262144, help="kv_cache_config.max_tokens of each engine arm")
     ap.add_argument("--extra-yaml", default=None, help="YAML mapping merged into every engine arm's args")

@@ -32,6 +32,11 @@ def test_presets_parse_and_validate(tiny_llama_dir, tmp_path):
     tri = [sidebyside.parse_arm(s) for s in ex.arm_specs(["nospec", "gqa"], "/g", "/m", "FLASHINFER", True, 1024,
                                                           None, "TRITON")]
     assert tri[0].llm_args["attn_backend"] == "FLASHINFER" and tri[1].llm_args["attn_backend"] == "TRITON"
+    sched = [sidebyside.parse_arm(s) for s in ex.arm_specs(["gqa"], "/g", "/m", "FLASHINFER", True, 1024, None,
+                                                            None, "{draft_len_schedule: {4: 8, 64: 2}}")]
+    assert sched[0].llm_args["speculative_config"]["draft_len_schedule"] == {4: 8, 64: 2}
+    with pytest.raises(ValueError, match="spec-extra-yaml"):
+        ex.arm_specs(["gqa"], "/g", "/m", "VANILLA", False, 1024, None, None, "[1]")
     with pytest.raises(ValueError):
         ex.arm_specs(["nospec", "eagle"], "", "", "VANILLA", False, 1024, None)
     with pytest.raises(ValueError):
@@ -43,7 +48,7 @@ def test_build_argv_defaults(tmp_path):
                               prompts_file=str(tmp_path / "none.json"), dataset_cache_dir=None, concurrency=[1, 16],
                               rounds=3, max_tokens=256, waves=2, min_requests=16, backend="FLASHINFER", graphs=True,
                               kv_tokens=262144, extra_yaml=None, anchor=True, out=str(tmp_path), deadline_s=540,
-                              spec_backend=None)
+                              spec_backend=None, spec_extra_yaml=None)
     argv = ex.build_argv(a)
     assert argv[argv.index("--concurrency") + 1:argv.index("--rounds")] == ["1", "16"]
     assert argv.count("--arm") == 2 and "--ratio-to" in argv and argv[argv.index("--ratio-to") + 1] == "nospec"
