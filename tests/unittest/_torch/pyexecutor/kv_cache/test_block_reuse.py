@@ -331,10 +331,10 @@ def _bad_hashed_blocks(kv: KVCacheManager, sequences) -> list:
     return [b for b in _hashed(kv) if expected.get(b.block_hash) != b.token_ids]
 
 
-def _accept_all(self, req, verified):
-    """Broken verifier: trusts every draft (then appends the verified row's last token)."""
-    out = list(req.draft_tokens) + [verified[-1]]
-    self.stats_.record(len(out) - 1, len(req.draft_tokens))
+def _accept_all(self, req, verified, num_drafts):
+    """Broken verifier: trusts every verified draft (then appends the verified row's last token)."""
+    out = list(req.draft_tokens)[:num_drafts] + [verified[-1]]
+    self.stats_.record(len(out) - 1, num_drafts)
     req.draft_tokens, req.draft_probs = [], None
     return out
 
