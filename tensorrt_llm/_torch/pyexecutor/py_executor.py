@@ -11,7 +11,6 @@ later call raises at once.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 import queue
 import threading
 import time
@@ -23,11 +22,12 @@ import torch
 from ..runtime.device import is_device_fault
 from ..runtime.llm_request import LlmRequest, RequestState
 from ..runtime.sampler import Sampler
-from ..runtime.step import DraftsAhead, ForwardOutput, ForwardSegment, StepCommit, VerifiedSegment
+from ..runtime.step import ForwardOutput, ForwardSegment, StepCommit, VerifiedSegment
 from ..runtime.token_rows import PendingTokens, segment_drafts
 from ..speculative.interface import Drafter
 from .kv_cache.resource_manager import KVCacheManager
 from .model_engine import ModelEngine
+from .inflight_steps import OverlapStep, SpecStep, last_token_pending
 from .scheduler import ScheduledBatch, Scheduler
 
 logger = logging.getLogger("tensorrt_llm")
@@ -40,7 +40,8 @@ class PyExecutor:
     def __init__(self, engine: ModelEngine, scheduler: Scheduler, sampler: Sampler, kv: KVCacheManager,
                  decode: Callable[[Sequence[int]], str], drafter: Optional[Drafter] = None,
                  overlap: bool = False):
-        """overlap: run the overlap scheduler on non-speculative steps (`_OverlapStep`)."""
+        """overlap: run the overlap scheduler: non-speculative steps (`OverlapStep`), and DSpark steps
+        when the drafter drafts on the device and the backend reads KV lengths there (`SpecStep`)."""
         self.engine, self.scheduler, self.sampler, self.kv = engine, scheduler, sampler, kv
         self.decode = decode
         self.drafter = drafter
@@ -49,8 +50,8 @@ class PyExecutor:
         # drafter launches its drafts there and the target backend reads KV lengths on the device
         self.spec_overlap = (overlap and drafter is not None and drafter.drafts_on_device
                              and engine.backend.capabilities.device_lengths)
-        self._inflight: Optional[_OverlapStep] = None   # the launched step whose tokens are not read yet
-        self._spec_inflight: Optional[_SpecStep] = None  # the launched DSpark step not read yet
+        self._inflight: Optional[OverlapStep] = None   # the launched step whose tokens are not read yet
+        self._spec_inflight: Optional[SpecStep] = None  # the launched DSpark step not read yet
         self._abort_ids: set[int] = set()
         self._release_ids: set[int] = set()      # context-only requests whose held pages go back
         self._abort_lock = threading.Lock()
@@ -158,7 +159,7 @@ class PyExecutor:
 
         With the overlap scheduler the step's tokens stay on the device: the next step is launched
         with them as inputs, and this step's tokens are read (stop criteria applied) one step later,
-        while the GPU runs that next step (`_OverlapStep`)."""
+        while the GPU runs that next step (`OverlapStep`)."""
         self._apply_aborts_and_releases()
         batch = self.scheduler.schedule()
         for req in batch.failed:                 # refused at admission: that request alone
@@ -166,7 +167,7 @@ class PyExecutor:
         if batch.imported:
             self._import_prefilled(batch.imported)
         if self.overlap:
-            batch.generation_requests = [r for r in batch.generation_requests if not _last_token_pending(r)]
+            batch.generation_requests = [r for r in batch.generation_requests if not last_token_pending(r)]
         # nothing runs and nothing was scheduled: the head of the queue can never fit (decided before
         # reading a step in flight, whose finished requests free pages for the next admission)
         stalled = batch.empty and bool(self.scheduler.waiting) and not self.scheduler.running
@@ -244,11 +245,11 @@ class PyExecutor:
                 req.next_input = tokens.row(out.logits_offsets[i], 1)
                 launched.append(req)
                 index.append(out.logits_offsets[i])
-        prev, self._inflight = self._inflight, _OverlapStep(launched, index, tokens)
+        prev, self._inflight = self._inflight, OverlapStep(launched, index, tokens)
         if prev is not None:
             self._read_overlapped(prev)
 
-    def _read_overlapped(self, step: Optional["_OverlapStep"] = None) -> None:
+    def _read_overlapped(self, step: Optional["OverlapStep"] = None) -> None:
         """Append the tokens of a launched step (waits for its host copy only), applying stop criteria;
         a request that stopped earlier drops its token (the step ran for nothing, as it may)."""
         if step is None:
@@ -346,7 +347,7 @@ class PyExecutor:
         return batch.context_requests + batch.generation_requests, segments
 
     def _launch_choice(self, reqs: list[LlmRequest], segments: list[ForwardSegment], num_ctx: int,
-                       out: ForwardOutput) -> "_SpecStep":
+                       out: ForwardOutput) -> "SpecStep":
         """Queue every token choice of the step on the device and their ONE device->host copy: the
         chosen id per prompt-end row (argmax, or a draw for sampling requests) and, with a drafter,
         the verify rows; then launch the next drafts from the device-side verify rows (so the GPU
@@ -383,9 +384,9 @@ class PyExecutor:
                 if is_device_fault(e):
                     raise
                 logger.error("draft_ahead failed (%s: %s); drafting after the update", type(e).__name__, e)
-        return _SpecStep(reqs, segments, num_ctx, out, copy, n, live, k1, ahead)
+        return SpecStep(reqs, segments, num_ctx, out, copy, n, live, k1, ahead)
 
-    def _read_choice(self, step: "_SpecStep") -> tuple[list[int], dict[int, list[int]]]:
+    def _read_choice(self, step: "SpecStep") -> tuple[list[int], dict[int, list[int]]]:
         """(chosen id per logits row of the prompt ends; {request id: verify row} without padding):
         waits for the step's host copy only."""
         host = step.copy.rows()[0] if step.copy is not None else []
@@ -396,7 +397,7 @@ class PyExecutor:
             verified[reqs[i].request_id] = row[:row.index(-1)] if -1 in row else row
         return host[:n], verified
 
-    def _complete(self, step: "_SpecStep") -> None:
+    def _complete(self, step: "SpecStep") -> None:
         """Read a launched step's choices and apply them: append + stop criteria, kv.commit, drafts."""
         chosen, verified = self._read_choice(step)
         commits = self._update_requests(step.reqs, step.segments, step.num_ctx, step.out, chosen, verified)
@@ -597,46 +598,3 @@ class PyExecutor:
             cb(req, new_tokens)
         if req.is_finished:
             self._callbacks.pop(req.request_id, None)
-
-
-@dataclass
-class _OverlapStep:
-    """A launched step whose tokens are not read yet: the requests that chose a token, their rows
-    of `tokens` ([N, 1] on the device, host copy under way)."""
-
-    reqs: list[LlmRequest]
-    row_index: list[int]
-    tokens: Optional[PendingTokens]
-
-    def rows(self) -> list[list[int]]:
-        """[token] per request, in order (waits for this step's host copy only)."""
-        host = self.tokens.rows() if self.tokens is not None else []
-        return [host[i] for i in self.row_index]
-
-
-def _last_token_pending(req: LlmRequest) -> bool:
-    """The request's device-resident token is its max_tokens-th: nothing to launch for it."""
-    return req.next_input is not None and len(req.output_token_ids) + 1 >= req.sampling_params.max_tokens
-
-
-@dataclass
-class _SpecStep:
-    """A launched step with a drafter (its choices queued on the device, their host copy under way):
-    what reading and applying it needs."""
-
-    reqs: list[LlmRequest]
-    segments: list[ForwardSegment]
-    num_ctx: int
-    out: ForwardOutput
-    copy: Optional[PendingTokens]      # [1, num_chosen + len(live) * verify_width] chosen ids, verify rows
-    num_chosen: int
-    live: list[int]                    # indices into reqs of the verify rows, in order
-    verify_width: int
-    ahead: Optional[DraftsAhead]       # the next drafts, launched from the device-side verify rows
-
-    @property
-    def deferrable(self) -> bool:
-        """Its reading may wait a step: no prompt chunk, and every verified request drafted ahead (its
-        next segment can be launched from the device rows)."""
-        return (self.num_ctx == 0 and self.ahead is not None and bool(self.live)
-                and all(self.reqs[i].request_id in self.ahead.rows for i in self.live))

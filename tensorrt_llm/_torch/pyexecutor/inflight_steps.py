@@ -1,0 +1,52 @@
+"""Launched steps whose results the executor reads later (the overlap scheduler's in-flight steps)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ..runtime.llm_request import LlmRequest
+from ..runtime.step import DraftsAhead, ForwardOutput, ForwardSegment
+from ..runtime.token_rows import PendingTokens
+
+
+@dataclass
+class OverlapStep:
+    """A launched step whose tokens are not read yet: the requests that chose a token, their rows
+    of `tokens` ([N, 1] on the device, host copy under way)."""
+
+    reqs: list[LlmRequest]
+    row_index: list[int]
+    tokens: Optional[PendingTokens]
+
+    def rows(self) -> list[list[int]]:
+        """[token] per request, in order (waits for this step's host copy only)."""
+        host = self.tokens.rows() if self.tokens is not None else []
+        return [host[i] for i in self.row_index]
+
+
+def last_token_pending(req: LlmRequest) -> bool:
+    """The request's device-resident token is its max_tokens-th: nothing to launch for it."""
+    return req.next_input is not None and len(req.output_token_ids) + 1 >= req.sampling_params.max_tokens
+
+
+@dataclass
+class SpecStep:
+    """A launched step with a drafter (its choices queued on the device, their host copy under way):
+    what reading and applying it needs."""
+
+    reqs: list[LlmRequest]
+    segments: list[ForwardSegment]
+    num_ctx: int
+    out: ForwardOutput
+    copy: Optional[PendingTokens]      # [1, num_chosen + len(live) * verify_width] chosen ids, verify rows
+    num_chosen: int
+    live: list[int]                    # indices into reqs of the verify rows, in order
+    verify_width: int
+    ahead: Optional[DraftsAhead]       # the next drafts, launched from the device-side verify rows
+
+    @property
+    def deferrable(self) -> bool:
+        """Its reading may wait a step: no prompt chunk, and every verified request drafted ahead (its
+        next segment can be launched from the device rows)."""
+        return (self.num_ctx == 0 and self.ahead is not None and bool(self.live)
+                and all(self.reqs[i].request_id in self.ahead.rows for i in self.live))
