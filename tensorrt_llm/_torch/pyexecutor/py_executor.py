@@ -332,7 +332,7 @@ class PyExecutor:
         ahead = self._spec_inflight.ahead if self._spec_inflight is not None else None
         gens = batch.generation_requests
         n = self.drafter.draft_len(len(gens)) if self.drafter is not None else 0
-        late = 1 + self.drafter.max_draft_len if self.drafter is not None else 0   # a continued start's most
+        late = 1 + self.drafter.max_draft_len if self.drafter is not None else 0   # most a continued start lags
         for req in gens:
             start, shift = req.num_computed, None
             if ahead is not None and req.request_id in ahead.rows:
