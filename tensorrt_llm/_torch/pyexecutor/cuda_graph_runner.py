@@ -40,7 +40,7 @@ from ..attention_backend.interface import (BAD_PAGE_INDEX, AttentionBackend, Att
 from ..runtime.cuda_graph import (GraphCache, GraphEntry, batch_buckets, check_graph_support, fill_padded,
                                   flat_rows, owned_rows)
 from ..runtime.step import ForwardOutput
-from ..runtime.token_rows import TokenRow, VerifyTokens, gather_firsts, group_by_pending
+from ..runtime.token_rows import TokenRow, VerifyTokens, gather_into
 from .kv_cache.resource_manager import KVCacheManager
 
 logger = logging.getLogger("tensorrt_llm")
@@ -52,7 +52,7 @@ def gather_drafts(dst: torch.Tensor, tokens: Sequence[VerifyTokens], rows: Seque
     for t in tokens:
         if len(t) != dst.shape[1]:
             raise ValueError(f"verify segment of {len(t)} tokens in a graph of {dst.shape[1]}")
-    _gather(dst[:, 1:], [t.drafts for t in tokens], rows)
+    gather_into(dst[:, 1:], [t.drafts for t in tokens], rows)
 
 
 def gather_rows(dst: torch.Tensor, tokens: Sequence[TokenRow], rows: Sequence[int]) -> None:
@@ -61,42 +61,44 @@ def gather_rows(dst: torch.Tensor, tokens: Sequence[TokenRow], rows: Sequence[in
     for t in tokens:
         if len(t) != dst.shape[1]:
             raise ValueError(f"segment of {len(t)} device tokens in a graph of {dst.shape[1]}")
-    _gather(dst, tokens, rows)
+    gather_into(dst, tokens, rows)
 
 
-def stage_input_ids(dst: torch.Tensor, segments) -> None:
-    """dst [B, q] int64 on the device <- the segments' tokens: host values in one pinned copy, then
-    device-resident drafts and rows gathered there (behind the steps that produced them)."""
-    b, q = dst.shape
-    host = np.zeros((b, q), dtype=np.int64)
+def host_input_ids(dst: np.ndarray, segments) -> tuple[list[int], list[int]]:
+    """dst [B, q] int64 (host) <- the segments' host-known tokens (a verify segment's anchor, host
+    lists; 0 where a token is still on the device). Returns (rows whose drafts, rows whose whole
+    segment, `device_input_ids` gathers on the device)."""
     lazy, rows = [], []
     for j, seg in enumerate(segments):
         t = seg.token_ids
         if isinstance(t, VerifyTokens):
-            host[j, 0] = t.anchor
+            dst[j] = 0
+            dst[j, 0] = t.anchor
             lazy.append(j)
         elif isinstance(t, TokenRow):
+            dst[j] = 0
             rows.append(j)
         else:
-            host[j] = t
-    dst.copy_(host_ints(host, dst.device).view(b, q))
+            dst[j] = t
+    return lazy, rows
+
+
+def device_input_ids(dst: torch.Tensor, segments, lazy: Sequence[int], rows: Sequence[int]) -> None:
+    """dst [bucket, q] input ids on the device (host part already copied): the device-resident
+    drafts / segments of `host_input_ids`, gathered behind the steps that produced them."""
     if lazy:
         gather_drafts(dst, [segments[j].token_ids for j in lazy], lazy)
     if rows:
         gather_rows(dst, [segments[j].token_ids for j in rows], rows)
 
 
-def _gather(dst: torch.Tensor, tokens: Sequence[TokenRow], rows: Sequence[int]) -> None:
-    """dst [bucket, k] (a view): row rows[n] <- tokens[n] (k ids each); one copy per producing step
-    when its rows are consecutive on both sides, else one gather."""
-    k = dst.shape[1]
-    for pend, js, toks in group_by_pending(tokens, rows):
-        n, src, cols = len(js), [t.index for t in toks], slice(toks[0].offset, toks[0].offset + k)
-        if js == list(range(js[0], js[0] + n)) and src == list(range(src[0], src[0] + n)):
-            dst[js[0]:js[0] + n].copy_(pend.device[src[0]:src[0] + n, cols])
-        else:
-            dev = dst.device
-            dst.index_copy_(0, host_ints(js, dev), pend.device.index_select(0, host_ints(src, dev))[:, cols])
+def stage_input_ids(dst: torch.Tensor, segments) -> None:
+    """dst [B, q] int64 on the device <- the segments' tokens: host values in one pinned copy, then
+    device-resident drafts and rows gathered there."""
+    host = np.empty(tuple(dst.shape), dtype=np.int64)
+    lazy, rows = host_input_ids(host, segments)
+    dst.copy_(host_ints(host, dst.device).view(dst.shape))
+    device_input_ids(dst, segments, lazy, rows)
 
 
 class StepPlan(NamedTuple):
@@ -227,21 +229,11 @@ class CUDAGraphRunner:
         if entry.copied is not None:
             entry.copied.synchronize()     # the previous step's copy has left the staging buffer
         ids, pos, slot, table = entry.host_views
-        lazy = [j for j, s in enumerate(segments) if isinstance(s.token_ids, VerifyTokens)]
-        rows = [j for j, s in enumerate(segments) if isinstance(s.token_ids, TokenRow)]
-        if lazy or rows:
-            # device-resident tokens are gathered on the device below; here: anchors of verify
-            # segments, and segments whose tokens are host lists, written whole
-            tok = ids[:b * q].reshape(b, q)
-            tok[:] = 0
-            for j, seg in enumerate(segments):
-                t = seg.token_ids
-                if isinstance(t, VerifyTokens):
-                    tok[j, 0] = t.anchor
-                elif not isinstance(t, TokenRow):
-                    tok[j] = t
-        else:
+        if not any(isinstance(s.token_ids, (VerifyTokens, TokenRow)) for s in segments):
             ids[:b * q] = flat_rows([s.token_ids for s in segments], b * q, "token_ids")
+            lazy, rows = [], []
+        else:     # device-resident tokens are gathered on the device after the copy
+            lazy, rows = host_input_ids(ids[:b * q].reshape(b, q), segments)
         slot[:b * q] = plan.slots.reshape(-1)
         fill_padded(pos, slot, plan.starts, b, bucket, q, self.scratch_page, p)
         np.take(self.kv.page_table, plan.rows, axis=0, out=table[:b])
@@ -253,14 +245,11 @@ class CUDAGraphRunner:
         if entry.io.is_cuda:
             entry.copied = torch.cuda.Event()
             entry.copied.record()
-        if lazy:
-            gather_drafts(entry.input_ids.view(bucket, q), [segments[j].token_ids for j in lazy], lazy)
-        if rows:
-            gather_rows(entry.input_ids.view(bucket, q), [segments[j].token_ids for j in rows], rows)
+        device_input_ids(entry.input_ids.view(bucket, q), segments, lazy, rows)
         if entry.shift is not None:
             entry.shift.zero_()
             at = [j for j, s in enumerate(segments) if s.start_shift is not None]
-            gather_firsts(entry.shift, [segments[j].start_shift for j in at], at)
+            gather_into(entry.shift[:, None], [segments[j].start_shift for j in at], at)
         md = entry.md
         md.num_cached = plan.starts.tolist() + [0] * (bucket - b)
         md.graph_shape = (bucket, q, max_pages)

@@ -10,7 +10,7 @@ import torch
 
 from ..attention_backend.interface import AttentionBackend, AttentionMetadata, device_positions, host_ints
 from ..runtime.step import ForwardOutput, ForwardSegment
-from ..runtime.token_rows import gather_firsts
+from ..runtime.token_rows import gather_into
 from .cuda_graph_runner import CUDAGraphRunner, stage_input_ids
 from .kv_cache.resource_manager import KVCacheManager
 from .piecewise_graph_runner import PiecewiseGraphRunner
@@ -111,7 +111,7 @@ class ModelEngine:
         starts = host_ints([s.start for s in segments], dev)
         shift = torch.zeros(b, dtype=torch.long, device=dev)
         at = [j for j, s in enumerate(segments) if s.start_shift is not None]
-        gather_firsts(shift, [segments[j].start_shift for j in at], at)
+        gather_into(shift[:, None], [segments[j].start_shift for j in at], at)
         start = starts + shift
         table = host_ints(self.kv.page_table[self.kv.rows(rids)], dev, torch.int32)
         pos, slots = device_positions(start, q, table, self.kv.tokens_per_block)

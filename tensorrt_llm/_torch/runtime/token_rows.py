@@ -109,13 +109,19 @@ def group_by_pending(rows: Sequence["TokenRow"], where: Sequence[int]
     return list(groups.values())
 
 
-def gather_firsts(dst: torch.Tensor, rows: Sequence["TokenRow"], at: Sequence[int]) -> None:
-    """dst [N] int64 on the device: dst[at[n]] <- the first id of rows[n] (e.g. a continued
-    segment's start shift), gathered on the device behind the step that produced it."""
+def gather_into(dst: torch.Tensor, rows: Sequence["TokenRow"], at: Sequence[int]) -> None:
+    """dst [N, k] on the device (a view): row at[n] <- the k ids of rows[n] from their first column,
+    gathered behind the steps that produced them; one copy per producing step when its rows are
+    consecutive on both sides, else one gather. The one device-row gather (input ids, draft ids,
+    a continued segment's start shift as a [N, 1] view)."""
+    k = dst.shape[1]
     for pend, js, toks in group_by_pending(rows, at):
-        col = toks[0].offset
-        src = host_ints([t.index for t in toks], dst.device)
-        dst.index_copy_(0, host_ints(js, dst.device), pend.device.index_select(0, src)[:, col])
+        n, src, cols = len(js), [t.index for t in toks], slice(toks[0].offset, toks[0].offset + k)
+        if js == list(range(js[0], js[0] + n)) and src == list(range(src[0], src[0] + n)):
+            dst[js[0]:js[0] + n].copy_(pend.device[src[0]:src[0] + n, cols])
+        else:
+            dev = dst.device
+            dst.index_copy_(0, host_ints(js, dev), pend.device.index_select(0, host_ints(src, dev))[:, cols])
 
 
 class VerifyTokens(_HostInts):

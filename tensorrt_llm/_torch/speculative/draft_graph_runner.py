@@ -48,7 +48,7 @@ from ..pyexecutor.kv_cache.resource_manager import KVCacheManager
 from ..runtime.cuda_graph import GraphCache, GraphEntry, batch_buckets, check_graph_support, owned_rows
 from ..runtime.llm_request import RequestState
 from ..runtime.step import DraftsAhead, VerifiedSegment
-from ..runtime.token_rows import PendingTokens, gather_firsts
+from ..runtime.token_rows import PendingTokens, gather_into
 
 logger = logging.getLogger("tensorrt_llm")
 
@@ -226,7 +226,7 @@ class DraftGraphRunner:
         entry.shift.zero_()
         at = [j for j, sh in enumerate(shifts) if sh is not None]
         if at:
-            gather_firsts(entry.shift, [shifts[j] for j in at], at)
+            gather_into(entry.shift[:, None], [shifts[j] for j in at], at)
         entry.captured[:b * q].copy_(captured)
         entry.verified[:b].copy_(verified)
         if b < bucket:                     # padding rows: one committed token, at position 0

@@ -31,7 +31,7 @@ from ..runtime.device import is_device_fault
 from ..runtime.llm_request import LlmRequest, RequestState
 from ..runtime.sampler import Sampler, processed_rows
 from ..runtime.step import DraftsAhead, StepCommit, VerifiedSegment
-from ..runtime.token_rows import PendingTokens, TokenRow, VerifyTokens, group_by_pending
+from ..runtime.token_rows import PendingTokens, TokenRow, VerifyTokens, gather_into, group_by_pending
 from .accept_stats import AcceptStats
 from .interface import Drafter
 from .rejection_sampler import RejectionSampler, SpecDecodeMetadata, stack_verify_rows
@@ -121,17 +121,18 @@ class DSparkWorker(Drafter):
             backend, why = self.backend, ""
         else:
             why = f"{self.backend.name} plans on the host"
-        need = max(1 + self.max_draft_len, self.block_size + 1)
-        if backend is not None and need > self.kv.tokens_per_block:
-            backend, why = None, f"{need} rows exceed one page ({self.kv.tokens_per_block} tokens)"
-        if backend is None:
+        if backend is not None:
+            try:      # the runner refuses shapes it cannot pad into one page (its ValueError says why)
+                self.graph_runner = DraftGraphRunner(self.drafter, self.kv, backend, self.kv_caches, self.device,
+                                                     max_batch_size, verify_widths=self.verify_widths,
+                                                     num_drafts=self.max_draft_len, capture=cuda_graphs)
+            except ValueError as e:
+                why = str(e)
+        if self.graph_runner is None:
             logger.warning("device draft step disabled: %s (the draft step runs after the host update)", why)
             self.graph_backend = why
             return
         self.graph_backend = backend.name
-        self.graph_runner = DraftGraphRunner(self.drafter, self.kv, backend, self.kv_caches, self.device,
-                                             max_batch_size, verify_widths=self.verify_widths,
-                                             num_drafts=self.max_draft_len, capture=cuda_graphs)
 
     @property
     def drafts_on_device(self) -> bool:
@@ -196,10 +197,7 @@ class DSparkWorker(Drafter):
         out = host_ints(flat, device).view(len(drafts), k)
         dev = [(j, d) for j, d in enumerate(drafts) if isinstance(d, TokenRow)]
         for pend, rows, toks in group_by_pending([d for _, d in dev], [j for j, _ in dev]):
-            w = min(k, pend.device.shape[1] - toks[0].offset)
-            cols = slice(toks[0].offset, toks[0].offset + w)
-            out[:, :w].index_copy_(0, host_ints(rows, device),
-                                   pend.device.index_select(0, host_ints([t.index for t in toks], device))[:, cols])
+            gather_into(out[:, :min(k, pend.device.shape[1] - toks[0].offset)], toks, rows)   # one producer each
         return out
 
     def accept(self, req: LlmRequest, verified: Sequence[int], num_drafts: int) -> list[int]:

@@ -93,13 +93,13 @@ def test_a_wrong_device_shift_is_seen(make_llm, tiny_llama_dir, tiny_drafters, m
     want, _, _ = _generate(make_llm, tiny_llama_dir, prompts, params, overlap=False)
     got, _, ex = _generate(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters["gqa"])
     assert got == want and ex.engine.num_continued_steps > 0
-    real = token_rows.gather_firsts
+    real = token_rows.gather_into
 
     def late(dst, rows, at):
         real(dst, rows, at)
         dst.add_(1)
     from tensorrt_llm._torch.pyexecutor import model_engine
-    monkeypatch.setattr(model_engine, "gather_firsts", late)
+    monkeypatch.setattr(model_engine, "gather_into", late)
     bad, _, _ = _generate(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters["gqa"])
     assert bad != want
 
