@@ -38,7 +38,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from .interface import (AttentionBackend, AttentionMetadata, BackendCapabilities,
+from .interface import (FP8_KV_DTYPES, AttentionBackend, AttentionMetadata, BackendCapabilities, writable,
                         write_slots)
 
 
@@ -115,9 +115,6 @@ def build_step_pages(md: AttentionMetadata) -> StepPages:
                      tuple(shape) if shape is not None else None, valid, bool((seq == 1).all()))
 
 
-FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
 @dataclass(frozen=True)
 class PlanKey:
     """What a plan is specialised for (one wrapper each)."""
@@ -156,9 +153,7 @@ def cache_write_rows(slot_mapping: torch.Tensor, planes: int, heads: int, page_s
 def scatter_rows(kv_cache: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
     """Graph-safe write of values [T, H, D] into a contiguous kv_cache [num_pages, planes, H, P, D]
     at `cache_write_rows` rows [T, H] (all slots valid: no -1, no host sync)."""
-    flat, vals = kv_cache.view(-1, kv_cache.shape[-1]), values.to(kv_cache.dtype)
-    if kv_cache.dtype in FP8_KV_DTYPES:       # fp8 pools are written as their bytes
-        flat, vals = flat.view(torch.uint8), vals.view(torch.uint8)
+    flat, vals = writable(kv_cache.view(-1, kv_cache.shape[-1]), values)
     flat.index_put_((rows,), vals)
 
 

@@ -160,10 +160,20 @@ def write_slots(cache_plane: torch.Tensor, values: torch.Tensor, slot_mapping: t
         return
     p = cache_plane.shape[2]
     page, off = slot_mapping // p, slot_mapping % p
-    vals = values.to(cache_plane.dtype)
-    if cache_plane.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):   # fp8 pools: written as bytes
-        cache_plane, vals = cache_plane.view(torch.uint8), vals.view(torch.uint8)
+    cache_plane, vals = writable(cache_plane, values)
     cache_plane[page, :, off] = vals
+
+
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def writable(cache: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cache, values cast to its dtype) to index-write; fp8 pools as their bytes (uint8 views), which
+    every device's indexed copy supports."""
+    vals = values.to(cache.dtype)
+    if cache.dtype in FP8_KV_DTYPES:
+        return cache.view(torch.uint8), vals.view(torch.uint8)
+    return cache, vals
 
 
 def device_positions(starts: torch.Tensor, q: int, block_tables: torch.Tensor, page_size: int

@@ -19,8 +19,8 @@ from typing import Optional
 import torch
 
 from .cpp_ops import ops_loaded
+from .interface import FP8_KV_DTYPES, write_slots
 
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _C10_NAMES = {torch.bfloat16: "BFloat16", torch.float16: "Half", torch.float32: "Float", torch.float64: "Double",
               torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte",
               torch.bool: "Bool", torch.float8_e4m3fn: "Float8_e4m3fn", torch.float8_e5m2: "Float8_e5m2"}
@@ -47,7 +47,7 @@ def check_paged_kv_append(values: torch.Tensor, kv_cache: torch.Tensor, slot_map
     vt, ct = values.dtype, kv_cache.dtype
     need(vt in (torch.bfloat16, torch.float16, torch.float32),
          "DSpark values dtype must be one of (BFloat16, Half, Float), got ", dtype_name(vt))
-    need(ct == vt or ct in _FP8, "DSpark kv_cache dtype must be the values' (", dtype_name(vt),
+    need(ct == vt or ct in FP8_KV_DTYPES, "DSpark kv_cache dtype must be the values' (", dtype_name(vt),
          ") or one of (Float8_e4m3fn, Float8_e5m2), got ", dtype_name(ct))
     need(kv_cache.shape[0] > 0, "DSpark kv_cache must hold at least one page")
     need(kv_cache.stride(0) != 0, "DSpark kv_cache page stride must be non-zero, got strides ", _list(kv_cache.stride()))
@@ -97,14 +97,7 @@ def reference_paged_kv_append(values: torch.Tensor, kv_cache: torch.Tensor, slot
     page = torch.div(slot_mapping, p, rounding_mode="floor")
     wants = slot_mapping >= 0
     owned = wants & (block_tables.long()[owner] == page[:, None]).any(1) & (page < pages)
-    keep = owned.nonzero().squeeze(1)
-    if keep.numel():
-        off = slot_mapping[keep] % p
-        src = values[keep].to(kv_cache.dtype)
-        dst = kv_cache[:, plane]
-        if kv_cache.dtype in _FP8:          # fp8 pools are written as their bytes
-            dst, src = dst.view(torch.uint8), src.view(torch.uint8)
-        dst[page[keep], :, off] = src
+    write_slots(kv_cache[:, plane], values, torch.where(owned, slot_mapping, -1))
     return (wants & ~owned).sum().to(torch.int32).view(1)
 
 

@@ -8,14 +8,13 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..attention_backend.interface import AttentionBackend, AttentionMetadata, device_positions, host_ints
+from ..attention_backend.interface import (FP8_KV_DTYPES, AttentionBackend, AttentionMetadata, device_positions,
+                                           host_ints)
 from ..runtime.step import ForwardOutput, ForwardSegment
 from ..runtime.token_rows import gather_into
 from .cuda_graph_runner import CUDAGraphRunner, stage_input_ids
 from .kv_cache.resource_manager import KVCacheManager
 from .piecewise_graph_runner import PiecewiseGraphRunner
-
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 class ModelEngine:
@@ -40,7 +39,7 @@ class ModelEngine:
         self.capture_layer_ids = list(capture_layer_ids)
         self.kv_caches = kv.layer_caches("target")
         kv_dtype = self.kv_caches[0].dtype if self.kv_caches else None
-        if kv_dtype in _FP8_DTYPES and not backend.capabilities.fp8_kv:
+        if kv_dtype in FP8_KV_DTYPES and not backend.capabilities.fp8_kv:
             raise ValueError(f"attention backend {backend.name} does not support fp8 KV "
                              f"(pool dtype {kv_dtype}); use kv_cache_config.dtype='auto'")
         self.graph_runner: Optional[CUDAGraphRunner] = None

@@ -11,6 +11,7 @@ import torch
 
 from ...llmapi.llm_args import TorchLlmArgs
 from ...llmapi.tokenizer import TokenizerWrapper
+from ..attention_backend.interface import FP8_KV_DTYPES
 from ..attention_backend.resolver import create_backend
 from ..models import load_target_model
 from ..modules.compiled_regions import LayerRegions
@@ -59,7 +60,7 @@ def create_py_executor(args: TorchLlmArgs, tokenizer: TokenizerWrapper) -> Execu
     kvc = args.kv_cache_config
     kv_dtype = kv_dtype_from_name(kvc.dtype, dtype)
     backend, res = create_backend(args.attn_backend, device, mla=False,
-                                  fp8_kv=kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2))
+                                  fp8_kv=kv_dtype in FP8_KV_DTYPES)
     n_layers, n_kv, head_dim = model.kv_cache_layout()
     specs = [KVCacheSpec("target", "gqa", n_layers, 2, n_kv, head_dim, kv_dtype)]
     drafter, drafter_report = None, None
