@@ -11,7 +11,7 @@ def dspark_extension() -> dict:
         return {}
     if torch.version.cuda is None or CUDA_HOME is None:
         return {}
-    ext = CUDAExtension("tensorrt_llm._dspark_ops", ["cpp/dspark_ops.cpp", "cpp/dspark_ops.cu"],
+    ext = CUDAExtension("tensorrt_llm._dspark_ops", ["cpp/dspark_ops.cpp", "cpp/dspark_ops_kernels.cu"],
                         extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]})
     return {"ext_modules": [ext], "cmdclass": {"build_ext": BuildExtension.with_options(no_python_abi_suffix=True)}}
 

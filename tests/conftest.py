@@ -326,7 +326,7 @@ def dspark_ops(tmp_path_factory):
         cpp = Path(__file__).resolve().parents[1] / "cpp"
         sources = [cpp / "dspark_ops.cpp"]
         if torch.cuda.is_available() and torch.version.cuda and shutil.which("nvcc"):
-            sources.append(cpp / "dspark_ops.cu")
+            sources.append(cpp / "dspark_ops_kernels.cu")
         try:
             cpp_extension.load(name="dspark_ops_test", sources=[str(s) for s in sources], is_python_module=False,
                                build_directory=str(tmp_path_factory.mktemp("dspark_ops_build")),

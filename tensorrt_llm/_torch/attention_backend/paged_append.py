@@ -8,7 +8,7 @@ own pages, refusing (never writing) a slot whose page is not one of its request'
     qo_indptr    [B + 1] int32 (ragged), or None with tokens_per_seq = q (request b: tokens b*q..)
     -> refused   [1] int32  writes whose page is not in the token's request row (or outside the pool)
 
-The op is C++ (`cpp/dspark_ops.cpp`, CUDA kernel in `cpp/dspark_ops.cu`, registered as
+The op is C++ (`cpp/dspark_ops.cpp`, CUDA kernel in `cpp/dspark_ops_kernels.cu`, registered as
 `torch.ops.trtllm.dspark_paged_kv_append`; `cpp_ops.py` loads it). Without it, `paged_kv_append` runs `check_paged_kv_append`
 (the C++ validation's messages, word for word) and `reference_paged_kv_append` (torch ops).
 """

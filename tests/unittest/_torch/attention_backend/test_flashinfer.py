@@ -2,8 +2,8 @@
 
 Pages are assigned in a random order out of a larger pool, slots nobody owns (and owned slots
 not yet filled) hold large garbage, so reading a wrong page or past kv_len is a large error.
-The negative control recomputes the reference with the block-table rows rolled by one request
-and must miss by far more than the tolerance.
+The negative control recomputes the reference with every owned page read as the next page of
+the pool (still inside it) and must miss by far more than the tolerance.
 
 CPU tests: the module imports without flashinfer, explicit FLASHINFER on CPU raises, the CSR
 page metadata is right, and the backend drives a fake flashinfer (same documented semantics)
@@ -93,9 +93,12 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def rolled(md: AttentionMetadata) -> AttentionMetadata:
-    """Same step, but every request reads the next request's pages (negative control)."""
-    return replace(md, block_tables=md.block_tables.roll(1, dims=0), extras={})
+def rolled(md: AttentionMetadata, num_pages: int) -> AttentionMetadata:
+    """Same step, but every owned page is read as the next page of the pool (negative control).
+    Unowned entries stay BAD_PAGE_INDEX, so a GPU kernel never reads outside the pool."""
+    bt = md.block_tables
+    shifted = torch.where(bt == BAD_PAGE_INDEX, bt, (bt + 1) % num_pages)
+    return replace(md, block_tables=shifted, extras={})
 
 
 def check_against_vanilla(fi, case: Case) -> None:
@@ -105,7 +108,7 @@ def check_against_vanilla(fi, case: Case) -> None:
     assert torch.equal(out_cache, ref_cache), "new K/V (or latents) written to different slots"
     err = rel(out, ref)
     assert err < TOL, f"flashinfer vs vanilla rel err {err:.2e}"
-    wrong, _ = run(VanillaAttention(), case, md=rolled(case.md))
+    wrong, _ = run(VanillaAttention(), case, md=rolled(case.md, case.cache.shape[0]))
     assert rel(out, wrong) > NEG_MIN, "negative control too close: the check is not sensitive"
 
 
@@ -406,7 +409,7 @@ def test_gqa_cuda_graph_replay_matches_vanilla(fi_backend, q):
         n = case.cache.shape[0]
         assert torch.equal(static_cache[:n], ref_cache)
         assert rel(out, ref) < TOL, f"graph replay vs vanilla rel err {rel(out, ref):.2e}"
-        wrong, _ = run(VanillaAttention(), case, md=rolled(case.md), scale=0.125)
+        wrong, _ = run(VanillaAttention(), case, md=rolled(case.md, case.cache.shape[0]), scale=0.125)
         assert rel(out, wrong) > NEG_MIN
 
 
@@ -447,7 +450,7 @@ def test_fp8_pool_matches_vanilla_and_stays_near_bf16(fi_backend, path):
     out8, _ = run(fi_backend, case)
     out16, _ = run(fi_backend, base)
     assert rel(out8, out16) < 0.1
-    wrong, _ = run(fi_backend, case, md=rolled(case.md))
+    wrong, _ = run(fi_backend, case, md=rolled(case.md, case.cache.shape[0]))
     assert rel(wrong, out16) > NEG_MIN
 
 

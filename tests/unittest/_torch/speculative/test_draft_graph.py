@@ -90,11 +90,11 @@ def test_draft_graph_matches_eager_and_is_lossless(llama64_dir, tmp_path_factory
         if ahead is None:
             return
         seen["replays"] += 1
-        ids = ahead.drafts.rows()     # the host values (waits for the draft step's copy)
         live = [c for c in commits if c.req.request_id in ahead.rows and not c.req.is_finished]
         if not live:
             return
-        graph = {c.req.request_id: ids[ahead.rows[c.req.request_id]] for c in live}
+        # the host values (waits for the draft step's copy), read before the eager replay
+        graph = {c.req.request_id: ahead.drafts(c.req.request_id).tolist() for c in live}
         slots = [s for c in live for s in self.kv.slots(c.req.request_id, c.start, c.count)]
         layers = (self.kv_caches[0], self.kv_caches[-1])
         graph_kv = [_rows(c, slots) for c in layers]
