@@ -46,6 +46,7 @@ def _wrap_timers(ex, timers: dict) -> None:
     for name in PHASES:
         timed(ex, name, name.strip("_"))
     timed(ex.engine, "forward", "forward")
+    timed(ex.engine, "forward_spec", "forward_spec")   # the one-graph DSpark step (verify + draft)
     if ex.drafter is not None:
         timed(ex.drafter, "draft", "draft")
         timed(ex.drafter, "draft_ahead", "draft_ahead")   # inside _launch_choice
@@ -105,7 +106,8 @@ def profile_arm(model: str, drafter: str | None, batch: int, max_tokens: int, pr
     toks = sum(len(o.outputs[0].token_ids) for o in outs)
     step_ms = 1000 * timers["step"] / max(timers["n_step"], 1)
     phases = {k: 1000 * timers[k] / max(timers["n_step"], 1)
-              for k in ("build_segments", "forward", "launch_choice", "complete", "launch_overlapped")}
+              for k in ("build_segments", "forward", "forward_spec", "launch_choice", "complete",
+                        "launch_overlapped")}
     phases["step_other"] = step_ms - sum(phases.values())
     phases["draft_ahead_in_launch_choice"] = 1000 * timers["draft_ahead"] / max(timers["n_step"], 1)
     phases["draft_in_complete"] = 1000 * timers["draft"] / max(timers["n_step"], 1)
@@ -113,7 +115,8 @@ def profile_arm(model: str, drafter: str | None, batch: int, max_tokens: int, pr
            "tok_per_s": toks / wall, "ms_per_step": 1000 * wall / max(steps, 1),
            "step_ms_inside_step": step_ms, "phase_ms_per_step": phases,
            "tokens_per_step": toks / max(steps, 1), "overlap_scheduler": llm.capacity_report["overlap_scheduler"],
-           "continued_steps": ex.engine.num_continued_steps}
+           "continued_steps": ex.engine.num_continued_steps,
+           "one_graph_steps": ex.engine.spec_step.num_launches if ex.engine.spec_step is not None else 0}
     if ex.drafter is not None:
         g = ex.drafter.graph_runner
         res["draft_graph_replays"] = g.graphs.num_replays if g else 0

@@ -7,7 +7,7 @@ is host code. This runs the real host path on the CPU, with only the model faked
 
 * `PyExecutor.step` (real) with a real `Scheduler`, `KVCacheManager` (prefix caching on),
   `Sampler` and LLM-API `GenerationResult` callbacks over a real tokenizer;
-* `ModelEngine.forward` (real) -> `CUDAGraphRunner.run` (real: `plan`, `_load_inputs`,
+* `ModelEngine.forward` (real) -> `CUDAGraphRunner.run` (real: `plan`, `load_inputs`,
   the FLASHINFER backend's `prepare` = `build_step_pages`), whose persistent buffers live on
   the CPU (their copies are CPU memcpys here, host-to-device copies on a GPU) and whose graph
   "replay" runs a fake model: next token = a fixed text stream indexed by (input id, position),
@@ -19,7 +19,7 @@ commits and page allocations at every 32 tokens are included). Components per st
 
     schedule        Scheduler.schedule
     segments        PyExecutor.step before the forward (ensure_capacity, ForwardSegment)
-    graph_inputs    CUDAGraphRunner.plan + _load_inputs without backend.prepare
+    graph_inputs    CUDAGraphRunner.plan + load_inputs without backend.prepare
                     (slot mapping, block tables, padding, copies into the persistent buffers)
     step_pages      backend.prepare (flashinfer build_step_pages; flashinfer's own plan is not run)
     forward_other   the rest of ModelEngine.forward / CUDAGraphRunner.run (logits clone, ...)
@@ -209,7 +209,7 @@ def build(batch: int, tok: TokenizerWrapper, stream: list[int], streaming: bool,
     # component timers (wrapping bound methods on the instances only)
     runner = engine.graph_runner
     runner.plan = timer.wrap(runner.plan, "graph_inputs")
-    runner._load_inputs = timer.wrap(runner._load_inputs, "graph_inputs")
+    runner.load_inputs = timer.wrap(runner.load_inputs, "graph_inputs")
     backend.prepare = timer.wrap(backend.prepare, "step_pages")
     sched.schedule = timer.wrap(sched.schedule, "schedule", mark=True)
     engine.forward = timer.wrap(engine.forward, "forward", mark=True)

@@ -9,7 +9,7 @@ live in one page the runner holds::
     rows: [ seg0: q tokens | seg1 | ... | segB-1 | pad | ... | pad ]     (bucket * q rows)
     pad:  positions 0..q-1, num_cached 0, block table [scratch, BAD, ...], slots in scratch
 
-Per (bucket, q) a `_GraphEntry` owns the persistent inputs: input_ids, positions, and an
+Per (bucket, q) a `TargetGraphEntry` owns the persistent inputs: input_ids, positions, and an
 `AttentionMetadata` whose slot_mapping and block_tables are persistent device buffers.
 A step copies its inputs into them, lets the backend plan outside the graph
 (`backend.prepare(md)` with md.graph_shape) and replays. The first
@@ -113,7 +113,7 @@ class StepPlan(NamedTuple):
 
 
 @dataclass
-class _GraphEntry(GraphEntry):
+class TargetGraphEntry(GraphEntry):
     """Persistent buffers of one (bucket, q); outputs: (logits [bucket * q, V] float32, captured
     [bucket * q, n*H] or None)."""
 
@@ -145,8 +145,11 @@ class CUDAGraphRunner:
     def __init__(self, model: torch.nn.Module, kv: KVCacheManager, backend: AttentionBackend,
                  kv_caches: Sequence[torch.Tensor], device: torch.device, max_batch_size: int,
                  token_counts: Sequence[int] = (1,), capture_layer_ids: Sequence[int] = (),
-                 buckets: Optional[Sequence[int]] = None):
-        check_graph_support(device, backend, max(token_counts), kv.tokens_per_block, "attention backend")
+                 buckets: Optional[Sequence[int]] = None, capture: bool = True):
+        """capture=False: the same step runs directly on the batch as it is (no padding rows); the
+        CPU's path for `SpecStepGraph`, which composes this runner's entries."""
+        if capture:
+            check_graph_support(device, backend, max(token_counts), kv.tokens_per_block, "attention backend")
         self.model, self.kv, self.backend = model, kv, backend
         self.kv_caches = list(kv_caches)
         self.device = device
@@ -154,8 +157,8 @@ class CUDAGraphRunner:
         self.capture_layer_ids = list(capture_layer_ids)
         self.buckets = sorted(buckets) if buckets else batch_buckets(max_batch_size)
         # Padding requests write here; the page is held for the runner's lifetime (never hashed).
-        self.scratch_page = kv.scratch_page()
-        self.graphs: GraphCache[_GraphEntry] = GraphCache(device)
+        self.scratch_page = kv.scratch_page() if capture else BAD_PAGE_INDEX
+        self.graphs: GraphCache[TargetGraphEntry] = GraphCache(device, capture)
         self.num_declined = 0            # steps left to the piecewise / eager path
 
     # ---- eligibility ---------------------------------------------------------------------
@@ -165,10 +168,11 @@ class CUDAGraphRunner:
                 return b
         return None
 
-    def plan(self, segments) -> Optional[StepPlan]:
+    def plan(self, segments, extra: int = 0) -> Optional[StepPlan]:
         """The step's `StepPlan`, or None when it cannot replay: segments of different lengths or of
         an uncaptured length, a segment wanting fewer logits than tokens, a slot beyond a request's
-        owned pages, or more requests than the largest bucket."""
+        owned pages (also the `extra` slots after the furthest segment end: a draft block), or more
+        requests than the largest bucket."""
         if not segments or len(segments) > self.buckets[-1]:
             return None
         q = len(segments[0].token_ids)
@@ -179,10 +183,11 @@ class CUDAGraphRunner:
         starts = np.fromiter((s.start for s in segments), dtype=np.int64, count=len(segments))
         shifted = any(s.start_shift is not None for s in segments)
         # a continued segment starts up to the widest q positions later: all of those slots must be owned
-        slots = self.kv.slots_batch(rids, starts, max(self.token_counts) + q if shifted else q, rows=rows)
+        slots = self.kv.slots_batch(rids, starts, (max(self.token_counts) if shifted else 0) + q + extra, rows=rows)
         if not owned_rows(slots).all():
             return None
-        return StepPlan(self._bucket(len(segments)), q, slots[:, :q], rows, starts, shifted)
+        bucket = self._bucket(len(segments)) if self.graphs.capture else len(segments)
+        return StepPlan(bucket, q, slots[:, :q], rows, starts, shifted)
 
     # ---- run -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -194,18 +199,18 @@ class CUDAGraphRunner:
             self.num_declined += 1
             return None
         bucket, q = plan.bucket, plan.q
-        entry = self.graphs.entry((bucket, q, plan.shifted), lambda: self._new_entry(bucket, q, plan.shifted))
-        self._load_inputs(entry, segments, plan)
-        if entry.graph is None:
+        entry = self.graphs.entry((bucket, q, plan.shifted), lambda: self.new_entry(bucket, q, plan.shifted))
+        self.load_inputs(entry, segments, plan)
+        if entry.graph is None and self.graphs.capture:
             logger.info("capturing CUDA graph for batch bucket %d x %d tokens%s", bucket, q,
                         " (continued segments)" if plan.shifted else "")
-        logits, captured = self.graphs.replay(entry, self._forward)
+        logits, captured = self.graphs.replay(entry, self.forward)
         n = len(segments) * q
         cap = captured[:n].clone() if captured is not None else None
         offsets = list(range(0, n, q))
         return ForwardOutput(logits[:n].clone(), offsets, cap, offsets)
 
-    def _new_entry(self, bucket: int, q: int, shifted: bool = False) -> _GraphEntry:
+    def new_entry(self, bucket: int, q: int, shifted: bool = False) -> TargetGraphEntry:
         dev, max_pages = self.device, self.kv.max_blocks_per_seq
         words = 3 * bucket * q + -(-bucket * max_pages // 2)
         io = torch.zeros(words, dtype=torch.long, device=dev)
@@ -217,11 +222,11 @@ class CUDAGraphRunner:
         if shifted:
             md.kv_lens_device = torch.zeros(bucket, dtype=torch.int32, device=dev)
         views = tuple(t.numpy() for t in _io_views(host, bucket, q, max_pages))
-        return _GraphEntry(bucket=bucket, q=q, input_ids=ids, positions=pos, md=md, io=io, host=host,
+        return TargetGraphEntry(bucket=bucket, q=q, input_ids=ids, positions=pos, md=md, io=io, host=host,
                            host_views=views,
                            shift=torch.zeros(bucket, dtype=torch.long, device=dev) if shifted else None)
 
-    def _load_inputs(self, entry: _GraphEntry, segments, plan: StepPlan) -> None:
+    def load_inputs(self, entry: TargetGraphEntry, segments, plan: StepPlan) -> None:
         """Stage the step's padded inputs in entry.host, copy them to entry.io in one copy, prepare.
         Drafts still on the device (`VerifyTokens`) are gathered into the input ids there."""
         b, q, bucket = len(segments), entry.q, entry.bucket
@@ -253,9 +258,11 @@ class CUDAGraphRunner:
         md = entry.md
         md.num_cached = plan.starts.tolist() + [0] * (bucket - b)
         md.graph_shape = (bucket, q, max_pages)
+        if entry.shift is not None:   # a host bound on the device lengths (VANILLA masks over it)
+            md.kv_len_bound = int(plan.starts.max()) + max(self.token_counts) + q
         self.backend.prepare(md)
 
-    def _forward(self, entry: _GraphEntry) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def forward(self, entry: TargetGraphEntry) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         positions, md = entry.positions, entry.md
         if entry.shift is not None:     # continued segments: addressing from the device-side starts
             start = positions.view(entry.bucket, entry.q)[:, 0] + entry.shift

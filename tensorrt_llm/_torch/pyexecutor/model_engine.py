@@ -4,17 +4,24 @@ It never decides admission; it only executes what the scheduler chose.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import logging
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
 from ..attention_backend.interface import (FP8_KV_DTYPES, AttentionBackend, AttentionMetadata, device_positions,
                                            host_ints)
+from ..runtime.device import is_device_fault
 from ..runtime.step import ForwardOutput, ForwardSegment
 from ..runtime.token_rows import gather_into
 from .cuda_graph_runner import CUDAGraphRunner, stage_input_ids
 from .kv_cache.resource_manager import KVCacheManager
 from .piecewise_graph_runner import PiecewiseGraphRunner
+
+if TYPE_CHECKING:
+    from .spec_step_graph import SpecLaunch, SpecStepGraph
+
+logger = logging.getLogger("tensorrt_llm")
 
 
 class ModelEngine:
@@ -23,7 +30,8 @@ class ModelEngine:
     With `use_cuda_graph`, a step whose segments all have one decode / verify shape replays one
     captured graph (`CUDAGraphRunner`); any other step (prompt chunks, mixed lengths, clamped
     pages) replays the piecewise graphs around eager attention (`PiecewiseGraphRunner`); a step
-    beyond the largest token bucket runs eagerly.
+    beyond the largest token bucket runs eagerly. With a device draft step, a steady-state DSpark
+    step runs verify, acceptance and drafting as one graph (`forward_spec`, `SpecStepGraph`).
     """
 
     def __init__(self, model: torch.nn.Module, kv: KVCacheManager, backend: AttentionBackend,
@@ -53,6 +61,29 @@ class ModelEngine:
         self.max_shift = tokens_per_gen  # a continued segment starts at most this many positions late
         self.num_eager_steps = 0
         self.num_continued_steps = 0     # steps launched from the device rows of the step in flight
+        self.spec_step: Optional["SpecStepGraph"] = None   # set by the creator with a device draft step
+
+    @torch.inference_mode()
+    def forward_spec(self, reqs, segments: Sequence[ForwardSegment]) -> Optional["SpecLaunch"]:
+        """The step as one verify -> accept -> draft graph (`SpecStepGraph`), or None when it is not
+        one it takes (the caller runs `forward` and the drafter). A graph the runtime refuses turns
+        the one-graph step off (logged); the step then runs the other way."""
+        if self.spec_step is None:
+            return None
+        shifted = any(s.start_shift is not None for s in segments)
+        if shifted:
+            check_continued(segments, self.backend)
+        try:
+            launch = self.spec_step.run(reqs, segments)
+        except RuntimeError as e:
+            if is_device_fault(e):
+                raise
+            logger.error("one-graph DSpark step failed (%s: %s); verify and draft run apart from now on",
+                         type(e).__name__, e)
+            self.spec_step = None
+            return None
+        self.num_continued_steps += int(launch is not None and shifted)
+        return launch
 
     @torch.inference_mode()
     def forward(self, segments: Sequence[ForwardSegment]) -> ForwardOutput:

@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 import traceback
-from typing import Callable, Optional, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, TypeVar
 
 import torch
 
@@ -29,6 +29,9 @@ from .kv_cache.resource_manager import KVCacheManager
 from .model_engine import ModelEngine
 from .inflight_steps import OverlapStep, SpecStep, last_token_pending
 from .scheduler import ScheduledBatch, Scheduler
+
+if TYPE_CHECKING:
+    from .spec_step_graph import SpecLaunch
 
 logger = logging.getLogger("tensorrt_llm")
 T = TypeVar("T")
@@ -198,8 +201,9 @@ class PyExecutor:
         try:
             reqs, segments = self._build_segments(batch)
             num_ctx = len(batch.context_requests)
-            try:
-                out = self.engine.forward(segments)
+            try:   # a steady-state DSpark step runs as one graph; any other step the target forward
+                launch = self.engine.forward_spec(reqs, segments) if self.drafter is not None and not num_ctx else None
+                out = launch.out if launch is not None else self.engine.forward(segments)
             except Exception as e:   # not a device fault: fail this step's requests, keep serving
                 if is_device_fault(e):
                     raise
@@ -211,7 +215,7 @@ class PyExecutor:
             if self.overlap:
                 self._launch_overlapped(reqs, segments, num_ctx, out)
             else:
-                step = self._launch_choice(reqs, segments, num_ctx, out)
+                step = self._launch_choice(reqs, segments, num_ctx, out, launch)
                 prev, self._spec_inflight = self._spec_inflight, None
                 if self.spec_overlap and step.deferrable:
                     self._spec_inflight = step     # read at the next step, while the GPU runs it
@@ -347,11 +351,16 @@ class PyExecutor:
         return batch.context_requests + batch.generation_requests, segments
 
     def _launch_choice(self, reqs: list[LlmRequest], segments: list[ForwardSegment], num_ctx: int,
-                       out: ForwardOutput) -> "SpecStep":
+                       out: ForwardOutput, launch: Optional[SpecLaunch] = None) -> "SpecStep":
         """Queue every token choice of the step on the device and their ONE device->host copy: the
         chosen id per prompt-end row (argmax, or a draw for sampling requests) and, with a drafter,
         the verify rows; then launch the next drafts from the device-side verify rows (so the GPU
-        drafts while the host reads). Nothing here waits for the GPU."""
+        drafts while the host reads). A one-graph step (`launch`) did both already. Nothing here
+        waits for the GPU."""
+        if launch is not None:
+            live = list(range(len(reqs)))
+            return SpecStep(reqs, segments, 0, out, PendingTokens(launch.verified.reshape(1, -1)), 0, live,
+                            launch.verified.shape[1], launch.ahead)
         drafter = self.drafter
         # with a drafter only prompt ends choose here (the verify rows go through the drafter)
         chooses = len(reqs) if drafter is None else num_ctx
@@ -386,20 +395,9 @@ class PyExecutor:
                 logger.error("draft_ahead failed (%s: %s); drafting after the update", type(e).__name__, e)
         return SpecStep(reqs, segments, num_ctx, out, copy, n, live, k1, ahead)
 
-    def _read_choice(self, step: "SpecStep") -> tuple[list[int], dict[int, list[int]]]:
-        """(chosen id per logits row of the prompt ends; {request id: verify row} without padding):
-        waits for the step's host copy only."""
-        host = step.copy.rows()[0] if step.copy is not None else []
-        n, k1, reqs = step.num_chosen, step.verify_width, step.reqs
-        verified: dict[int, list[int]] = {}
-        for j, i in enumerate(step.live):
-            row = host[n + j * k1:n + (j + 1) * k1]
-            verified[reqs[i].request_id] = row[:row.index(-1)] if -1 in row else row
-        return host[:n], verified
-
     def _complete(self, step: "SpecStep") -> None:
         """Read a launched step's choices and apply them: append + stop criteria, kv.commit, drafts."""
-        chosen, verified = self._read_choice(step)
+        chosen, verified = step.read()
         commits = self._update_requests(step.reqs, step.segments, step.num_ctx, step.out, chosen, verified)
         if self.drafter is not None and step.out.captured is not None and commits:
             self._isolated(lambda cs: self.drafter.draft(cs, step.out.captured, step.ahead), commits,

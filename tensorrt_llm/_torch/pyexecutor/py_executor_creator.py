@@ -94,11 +94,14 @@ def create_py_executor(args: TorchLlmArgs, tokenizer: TokenizerWrapper) -> Execu
     if drafter is not None:
         drafter.bind(kv, sampler)
         drafter.enable_device_drafts(args.max_batch_size, cuda_graphs=args.use_cuda_graph)
+        one_graph = _enable_spec_step(engine, drafter, args.max_batch_size)
         drafter_report = drafter.describe()
     executor = PyExecutor(engine, sched, sampler, kv, tokenizer.decode, drafter,
                           overlap=not args.disable_overlap_scheduler)
     report = kv.report()
     report["overlap_scheduler"] = _overlap_report(args, executor, backend, drafter)
+    if drafter is not None:
+        report["one_graph_step"] = one_graph
     report.update({
         "device": str(device), "dtype": str(dtype).replace("torch.", ""), "max_seq_len": max_seq_len,
         "layer_regions": "inductor" if tcc is not None and tcc.enable_inductor else "eager",
@@ -111,6 +114,24 @@ def create_py_executor(args: TorchLlmArgs, tokenizer: TokenizerWrapper) -> Execu
         report["drafter"] = drafter_report
     _log_capacity(report)
     return ExecutorBundle(executor, kv, model, max_seq_len, device, dtype, report)
+
+
+def _enable_spec_step(engine: ModelEngine, drafter, max_batch_size: int) -> dict[str, Any]:
+    """With a device draft step, steady-state DSpark steps run verify -> accept -> draft as one
+    graph (`SpecStepGraph`): composed with the target's graph runner, or (no CUDA graphs) a
+    direct runner of the same step. Returns the capacity report's entry."""
+    from .cuda_graph_runner import CUDAGraphRunner
+    from .spec_step_graph import SpecStepGraph
+    if drafter.graph_runner is None:
+        return {"enabled": False, "reason": f"the device draft step is off ({drafter.graph_backend})"}
+    target = engine.graph_runner
+    if target is None:
+        target = CUDAGraphRunner(engine.model, engine.kv, engine.backend, engine.kv_caches, engine.device,
+                                 max_batch_size, token_counts=drafter.verify_widths,
+                                 capture_layer_ids=engine.capture_layer_ids, capture=False)
+    engine.spec_step = SpecStepGraph(target, drafter.graph_runner)
+    how = "one CUDA graph" if target.graphs.capture else "one direct run (no CUDA graphs)"
+    return {"enabled": True, "reason": f"greedy generation steps: verify, acceptance and draft step as {how}"}
 
 
 def _overlap_report(args: TorchLlmArgs, executor: PyExecutor, backend, drafter) -> dict[str, Any]:

@@ -186,22 +186,35 @@ class DraftGraphRunner:
         table = buf[bucket:].view(torch.int32)[:bucket * width].view(bucket, width)
         return buf[:bucket], table
 
-    def _new_entry(self, bucket: int, q: int, width: int, dtype: torch.dtype) -> _DraftEntry:
+    def block_metadata(self, bucket: int, block_tables: torch.Tensor) -> AttentionMetadata:
+        """The draft block's metadata over `block_tables` [bucket, max_pages] int32 (persistent);
+        slot_mapping and kv_lens_device are written by `draft_rows`."""
         s, dev = self.block_size, self.device
+        return AttentionMetadata(seq_lens=[s] * bucket, num_cached=[0] * bucket, block_tables=block_tables,
+                                 slot_mapping=torch.zeros(bucket * s, dtype=torch.long, device=dev),
+                                 tokens_per_block=self.kv.tokens_per_block, causal=False,
+                                 kv_lens_device=torch.full((bucket,), s, dtype=torch.int32, device=dev))
+
+    def prepare_block(self, md: AttentionMetadata, bucket: int, q: int, max_start: int) -> None:
+        """Host-side step of a launch: the shape and a host bound on the device lengths (VANILLA masks
+        over it); the backend checks only, the graph computes the lengths."""
+        md.graph_shape = (bucket, self.block_size, self.kv.max_blocks_per_seq)
+        md.kv_len_bound = max_start + self.q_max + q + self.block_size
+        self.backend.prepare(md)
+
+    def _new_entry(self, bucket: int, q: int, width: int, dtype: torch.dtype) -> _DraftEntry:
+        dev = self.device
         words = bucket + -(-bucket * self.kv.max_blocks_per_seq // 2)
         io = torch.zeros(words, dtype=torch.long, device=dev)
         host = torch.zeros(words, dtype=torch.long, pin_memory=dev.type == "cuda")
         starts, table = self._io_views(io, bucket)
         table.fill_(BAD_PAGE_INDEX)
-        md = AttentionMetadata(seq_lens=[s] * bucket, num_cached=[0] * bucket, block_tables=table,
-                               slot_mapping=torch.zeros(bucket * s, dtype=torch.long, device=dev),
-                               tokens_per_block=self.kv.tokens_per_block, causal=False,
-                               kv_lens_device=torch.full((bucket,), s, dtype=torch.int32, device=dev))
         verified = torch.full((bucket, q), -1, dtype=torch.long, device=dev)
         verified[:, 0] = 0
         return _DraftEntry(bucket=bucket, q=q, captured=torch.zeros(bucket * q, width, dtype=dtype, device=dev),
                            verified=verified, starts=starts, shift=torch.zeros(bucket, dtype=torch.long, device=dev),
-                           md=md, io=io, host=host, host_views=tuple(t.numpy() for t in self._io_views(host, bucket)))
+                           md=self.block_metadata(bucket, table), io=io, host=host,
+                           host_views=tuple(t.numpy() for t in self._io_views(host, bucket)))
 
     def _load_inputs(self, entry: _DraftEntry, b: int, captured: torch.Tensor, verified: torch.Tensor,
                      plan: DraftPlan, shifts: Sequence = ()) -> None:
@@ -232,23 +245,27 @@ class DraftGraphRunner:
         if b < bucket:                     # padding rows: one committed token, at position 0
             entry.verified[b:] = -1
             entry.verified[b:, 0] = 0
-        entry.md.graph_shape = (bucket, self.block_size, self.kv.max_blocks_per_seq)
-        entry.md.kv_len_bound = int(plan.starts.max()) + self.q_max + q + self.block_size   # a host bound (VANILLA)
-        self.backend.prepare(entry.md)     # host-side checks only: the graph computes the lengths
+        self.prepare_block(entry.md, bucket, q, int(plan.starts.max()))
 
     def _forward(self, entry: _DraftEntry) -> torch.Tensor:
-        d, md, s, p = self.drafter, entry.md, self.block_size, self.kv.tokens_per_block
-        start = entry.starts + entry.shift
-        ctx_pos, ctx_slots = device_positions(start, entry.q, md.block_tables, p)
-        committed = (entry.verified >= 0).sum(1)                              # [bucket] 1..q
-        anchors = entry.verified.gather(1, (committed - 1)[:, None])[:, 0]
+        return self.draft_rows(entry.captured, entry.verified, entry.starts + entry.shift, entry.md)
+
+    def draft_rows(self, captured: torch.Tensor, verified: torch.Tensor, start: torch.Tensor,
+                   md: AttentionMetadata) -> torch.Tensor:
+        """The draft step on the device (module doc), capturable: captured [B*q, n*H] target rows,
+        verified [B, q] int64 (-1 padded), start [B] int64 first verified position, md from
+        `block_metadata` -> [B, 2 + k_max] int64 rows [committed | anchor, drafts]."""
+        d, s, p = self.drafter, self.block_size, self.kv.tokens_per_block
+        ctx_pos, ctx_slots = device_positions(start, verified.shape[1], md.block_tables, p)
+        committed = (verified >= 0).sum(1)                                     # [B] 1..q
+        anchors = verified.gather(1, (committed - 1)[:, None])[:, 0]
         new_ctx = start + committed
         blk_pos, blk_slots = device_positions(new_ctx, s, md.block_tables, p)  # [bucket, S]
         md.slot_mapping.copy_(blk_slots)
         md.kv_lens_device.copy_(new_ctx + s)
         blk_ids = torch.full_like(blk_pos, self.mask_token_id)
         blk_ids[:, 0] = anchors
-        feats = d.context_features(entry.captured)
+        feats = d.context_features(captured)
         d.write_context(feats, ctx_pos.view(-1), ctx_slots, self.kv_caches, self.backend, slots_valid=True)
         hidden = d.forward_block(blk_ids.view(-1), blk_pos.view(-1), md, self.kv_caches, self.backend)
         ids, _ = d.propose(hidden, anchors, self.k_max)

@@ -154,7 +154,7 @@ def test_pack_graph_inputs_matches_reference_on_random_inputs():
 
 
 def test_runner_host_staging_matches_reference_on_cpu():
-    """plan_step + _load_inputs (vectorised, one staging buffer) == kv.slots / kv.block_tables /
+    """plan + load_inputs (vectorised, one staging buffer) == kv.slots / kv.block_tables /
     pack_graph_inputs, also when a smaller batch reuses a bucket's buffers."""
     import random
 
@@ -180,9 +180,9 @@ def test_runner_host_staging_matches_reference_on_cpu():
         segs = [ForwardSegment(r, [rng.randrange(512) for _ in range(q)], s, q) for r, s in zip(ids, starts)]
         plan = whole_step_plan(runner, segs)
         assert plan is not None and plan.slots.tolist() == [kv.slots(r, s, q) for r, s in zip(ids, starts)]
-        entry = runner.graphs.entry((plan.bucket, q), lambda: runner._new_entry(plan.bucket, q))
+        entry = runner.graphs.entry((plan.bucket, q), lambda: runner.new_entry(plan.bucket, q))
         with torch.inference_mode():
-            runner._load_inputs(entry, segs, plan)
+            runner.load_inputs(entry, segs, plan)
         ref = pack_graph_inputs([s.token_ids for s in segs], starts, plan.slots.tolist(), kv.block_tables(ids),
                                 plan.bucket, q, kv.max_blocks_per_seq, runner.scratch_page, p)
         md = entry.md
@@ -222,9 +222,9 @@ def test_runner_gathers_device_drafts_into_its_inputs_on_cpu():
     segs = [ForwardSegment(r, VerifyTokens(100 + r, pend.row(r)), 10 + r, q) for r in order]
     segs.insert(2, ForwardSegment(2, [7, 8, 9, 10], 12, q))     # drafts already on the host
     plan = whole_step_plan(runner, segs)
-    entry = runner._new_entry(plan.bucket, q)
+    entry = runner.new_entry(plan.bucket, q)
     with torch.inference_mode():
-        runner._load_inputs(entry, segs, plan)
+        runner.load_inputs(entry, segs, plan)
     host_ids = [list(s.token_ids) for s in segs]
     ref = pack_graph_inputs(host_ids, [s.start for s in segs], plan.slots.tolist(),
                             kv.block_tables([s.request_id for s in segs]), plan.bucket, q,

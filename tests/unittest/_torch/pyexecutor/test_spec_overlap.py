@@ -16,24 +16,8 @@ import pytest
 from tensorrt_llm import SamplingParams
 from tensorrt_llm._torch.runtime import token_rows
 
+from tests.unittest._torch.pyexecutor.spec_runs import dspark_spec, generate_run, random_prompts
 from tests.unittest._torch.speculative.draft_oracle import future_drafts, patch_draft_oracles
-
-
-def _prompts(rng: random.Random, n: int) -> list[list[int]]:
-    return [[rng.randrange(3, 500) for _ in range(rng.randrange(3, 40))] for _ in range(n)]
-
-
-def _spec(path) -> dict:
-    return {"decoding_type": "DSpark", "speculative_model": path}
-
-
-def _generate(make_llm, target, prompts, params, overlap: bool, drafter=None, **kw):
-    llm = make_llm(target, disable_overlap_scheduler=not overlap,
-                   speculative_config=_spec(drafter) if drafter else None, **kw)
-    outs = llm.generate(prompts, params)
-    stats = llm.get_stats()
-    assert stats["kv_cache"]["free_pages"] == llm._bundle.kv.num_pages, "pages leaked"
-    return [o.outputs[0].token_ids for o in outs], stats, llm._executor
 
 
 @pytest.mark.parametrize("kind", ["gqa", "mla"])
@@ -44,19 +28,19 @@ def _generate(make_llm, target, prompts, params, overlap: bool, drafter=None, **
 def test_continued_verify_steps_equal_the_plain_loop(make_llm, tiny_llama_dir, tiny_drafters, monkeypatch,
                                                      kind, options, continued):
     rng = random.Random(7)
-    prompts = _prompts(rng, 10)
+    prompts = random_prompts(rng, 10)
     max_tokens = [rng.randrange(2, 40) for _ in prompts]
     greedy = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
-    want, _, _ = _generate(make_llm, tiny_llama_dir, prompts, greedy, overlap=False, **options)
+    want, _, _ = generate_run(make_llm, tiny_llama_dir, prompts, greedy, overlap=False, **options)
     truth = {tuple(p): t for p, t in zip(prompts, want)}
     # stop ids the model emits (stops seen one step late must not change the output)
     params = [SamplingParams(max_tokens=m, stop_token_ids=[t[m // 2]] if i % 3 == 0 and m > 4 else [],
                              ignore_eos=True) for i, (m, t) in enumerate(zip(max_tokens, want))]
-    ref, _, _ = _generate(make_llm, tiny_llama_dir, prompts, params, overlap=False, **options)
+    ref, _, _ = generate_run(make_llm, tiny_llama_dir, prompts, params, overlap=False, **options)
     patch_draft_oracles(monkeypatch, future_drafts(truth, salt=1))
-    plain, s_plain, ex_plain = _generate(make_llm, tiny_llama_dir, prompts, params, False, tiny_drafters[kind],
+    plain, s_plain, ex_plain = generate_run(make_llm, tiny_llama_dir, prompts, params, False, tiny_drafters[kind],
                                          **options)
-    over, s_over, ex_over = _generate(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters[kind],
+    over, s_over, ex_over = generate_run(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters[kind],
                                       **options)
     assert plain == ref and over == ref
     assert any(len(o) < m for o, m in zip(ref, max_tokens))          # some stopped on a stop id
@@ -74,12 +58,12 @@ def test_sampled_and_greedy_requests_mix(make_llm, tiny_llama_dir, tiny_drafters
     """Sampled requests draft eagerly and are never continued; a step holding one is read at once.
     Their tokens depend only on their seeds: overlap on == off, greedy rows == no-spec."""
     rng = random.Random(3)
-    prompts = _prompts(rng, 6)
+    prompts = random_prompts(rng, 6)
     params = [SamplingParams(max_tokens=18, ignore_eos=True) if i % 2 else
               SamplingParams(max_tokens=18, temperature=0.9, seed=i, ignore_eos=True) for i in range(6)]
-    on, _, _ = _generate(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters["gqa"])
-    off, _, _ = _generate(make_llm, tiny_llama_dir, prompts, params, False, tiny_drafters["gqa"])
-    nospec, _, _ = _generate(make_llm, tiny_llama_dir, prompts, params, False)
+    on, _, _ = generate_run(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters["gqa"])
+    off, _, _ = generate_run(make_llm, tiny_llama_dir, prompts, params, False, tiny_drafters["gqa"])
+    nospec, _, _ = generate_run(make_llm, tiny_llama_dir, prompts, params, False)
     assert on == off
     assert [t for i, t in enumerate(on) if i % 2] == [t for i, t in enumerate(nospec) if i % 2]
 
@@ -88,24 +72,26 @@ def test_a_wrong_device_shift_is_seen(make_llm, tiny_llama_dir, tiny_drafters, m
     """Negative control: continued segments whose device-side start is one position late (the shift
     gathered + 1) write and read the wrong KV positions: the output differs from no-spec."""
     rng = random.Random(5)
-    prompts = _prompts(rng, 4)
+    prompts = random_prompts(rng, 4)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    want, _, _ = _generate(make_llm, tiny_llama_dir, prompts, params, overlap=False)
-    got, _, ex = _generate(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters["gqa"])
+    want, _, _ = generate_run(make_llm, tiny_llama_dir, prompts, params, overlap=False)
+    got, _, ex = generate_run(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters["gqa"])
     assert got == want and ex.engine.num_continued_steps > 0
     real = token_rows.gather_into
 
     def late(dst, rows, at):
         real(dst, rows, at)
-        dst.add_(1)
-    from tensorrt_llm._torch.pyexecutor import model_engine
-    monkeypatch.setattr(model_engine, "gather_into", late)
-    bad, _, _ = _generate(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters["gqa"])
+        if dst.shape[-1] == 1:     # the shifts [B, 1] (input ids of a verify step are wider)
+            dst.add_(1)
+    from tensorrt_llm._torch.pyexecutor import cuda_graph_runner, model_engine
+    monkeypatch.setattr(model_engine, "gather_into", late)        # the eager continued step
+    monkeypatch.setattr(cuda_graph_runner, "gather_into", late)   # the graph entries (one-graph step)
+    bad, _, _ = generate_run(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters["gqa"])
     assert bad != want
 
 
 def test_capacity_report_says_whether_dspark_steps_overlap(make_llm, tiny_llama_dir, tiny_drafters, monkeypatch):
-    spec = _spec(tiny_drafters["mla"])
+    spec = dspark_spec(tiny_drafters["mla"])
     on = make_llm(tiny_llama_dir, speculative_config=spec).capacity_report["overlap_scheduler"]
     assert on["enabled"] and "device rows" in on["reason"]
     off = make_llm(tiny_llama_dir, speculative_config=spec, disable_overlap_scheduler=True)
@@ -140,7 +126,7 @@ def test_device_drafts_equal_eager_drafts_with_a_trained_drafter(tmp_path, monke
 
     def hist(batched: bool, **kw) -> list[int]:
         with LLM(str(target), device="cpu", kv_cache_config={"max_tokens": 1024, "tokens_per_block": 16},
-                 speculative_config=_spec(str(data)), **kw) as llm:
+                 speculative_config=dspark_spec(str(data)), **kw) as llm:
             p = SamplingParams(max_tokens=24, ignore_eos=True)
             if batched:
                 llm.generate(prompts, p)

@@ -1,4 +1,5 @@
-"""Oracle drafts on both draft paths (test fixture): the eager draft step and the device draft step.
+"""Oracle drafts on every draft path (test fixture): the eager draft step, the device draft step
+and the one-graph DSpark step.
 
 `drafts_for(req, anchor_pos, k)` returns the k drafts that should follow the anchor at absolute
 position `anchor_pos` (or None to keep the drafter's own). On the device path the anchor position
@@ -12,6 +13,7 @@ from typing import Callable, Optional
 import torch
 
 from tensorrt_llm._torch.runtime.llm_request import LlmRequest
+from tensorrt_llm._torch.pyexecutor.spec_step_graph import SpecStepGraph
 from tensorrt_llm._torch.speculative.draft_graph_runner import DraftGraphRunner
 from tensorrt_llm._torch.speculative.dspark_worker import DSparkWorker
 
@@ -19,7 +21,7 @@ DraftsFor = Callable[[LlmRequest, int, int], Optional[list[int]]]
 
 
 def patch_draft_oracles(monkeypatch, drafts_for: DraftsFor) -> None:
-    orig_group, orig_launch = DSparkWorker._draft_group, DraftGraphRunner.launch
+    orig_group, orig_launch, orig_step = DSparkWorker._draft_group, DraftGraphRunner.launch, SpecStepGraph.run
 
     def eager(self, reqs, s):
         orig_group(self, reqs, s)
@@ -29,24 +31,33 @@ def patch_draft_oracles(monkeypatch, drafts_for: DraftsFor) -> None:
             if d is not None:
                 req.draft_tokens = list(d)
 
-    def device(self, items, counts, verified, captured):
-        ahead = orig_launch(self, items, counts, verified, captured)
-        if ahead is None:
-            return None
+    def overwrite(ahead, reqs, starts, shifts):
         t = ahead.tokens.device                # on the CPU: the host copy is this tensor
-        for it in items:
-            row = ahead.rows.get(it.req.request_id)
+        for req, start, shift in zip(reqs, starts, shifts):
+            row = ahead.rows.get(req.request_id)
             if row is None:
                 continue
-            shift = it.start_shift.tolist()[0] if it.start_shift is not None else 0
-            d = drafts_for(it.req, it.start + shift + int(t[row, 0]), t.shape[1] - 2)
+            shift = shift.tolist()[0] if shift is not None else 0
+            d = drafts_for(req, start + shift + int(t[row, 0]), t.shape[1] - 2)
             if d is not None:
                 with torch.inference_mode():
                     t[row, 2:] = torch.tensor(d, dtype=t.dtype)
+
+    def device(self, items, counts, verified, captured):
+        ahead = orig_launch(self, items, counts, verified, captured)
+        if ahead is not None:
+            overwrite(ahead, [it.req for it in items], [it.start for it in items], [it.start_shift for it in items])
         return ahead
+
+    def one_graph(self, reqs, segments):
+        launch = orig_step(self, reqs, segments)
+        if launch is not None:
+            overwrite(launch.ahead, reqs, [s.start for s in segments], [s.start_shift for s in segments])
+        return launch
 
     monkeypatch.setattr(DSparkWorker, "_draft_group", eager)
     monkeypatch.setattr(DraftGraphRunner, "launch", device)
+    monkeypatch.setattr(SpecStepGraph, "run", one_graph)
 
 
 def future_drafts(truth: dict[tuple, list[int]], salt: int = 0,

@@ -115,8 +115,9 @@ def test_draft_graph_matches_eager_and_is_lossless(llama64_dir, tmp_path_factory
     with _llm(llama64_dir, use_cuda_graph=True, speculative_config=spec) as llm:
         worker: DSparkWorker = llm._executor.drafter
         toks = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
-        runner = worker.graph_runner
-        assert runner.graphs.num_captures >= 1 and runner.num_launches == seen["replays"] > 0
+        runner, one_graph = worker.graph_runner, llm._executor.engine.spec_step
+        assert runner.graphs.num_captures + one_graph.graphs.num_captures >= 1
+        assert runner.num_launches + one_graph.num_launches == seen["replays"] > 0
     assert toks == baseline
     assert seen["total"] > 100
     assert seen["same"] / seen["total"] >= 0.9, seen
@@ -155,10 +156,9 @@ def test_split_steps_with_staggered_arrivals_are_lossless(llama64_dir, tmp_path_
 @gpu
 def test_dspark_steps_never_block_on_the_gpu(llama64_dir, tmp_path_factory, no_device_syncs):
     """20 steady-state DSpark steps with graphs under torch.cuda.set_sync_debug_mode("error"): every
-    step launches its drafts from the device-side verify rows (one draft-graph launch per step)
-    and no torch op blocks on the device; the host waits only on the verify rows' pinned copy (an
-    event queued before the draft launch, so the GPU drafts meanwhile). Control: the mode does
-    see a blocking read."""
+    step is one graph (verify, acceptance and the draft step: `SpecStepGraph`, one replay per
+    step) and no torch op blocks on the device; the host waits only on the verify rows' pinned
+    copy. Control: the mode does see a blocking read."""
     pytest.importorskip("flashinfer")
     drafter = _drafter(tmp_path_factory, llama64_dir, "gqa")
     spec = {"decoding_type": "DSpark", "speculative_model": str(drafter)}
@@ -170,12 +170,12 @@ def test_dspark_steps_never_block_on_the_gpu(llama64_dir, tmp_path_factory, no_d
         ex._drain_incoming()
         for _ in range(4):                              # prefill, warm-up and capture
             ex.step()
-        runner = ex.drafter.graph_runner
-        launches = runner.num_launches
+        one_graph = ex.engine.spec_step
+        launches, replays = one_graph.num_launches, one_graph.graphs.num_replays
         with no_device_syncs():
             for _ in range(20):
                 ex.step()
-        assert runner.num_launches - launches == 20
+        assert one_graph.num_launches - launches == 20 == one_graph.graphs.num_replays - replays
         ex.run_until_idle()
         assert all(len(h.result(timeout=0).outputs[0].token_ids) == 200 for h in handles)
     with no_device_syncs(), pytest.raises(RuntimeError, match="synchroniz"):   # control
@@ -187,9 +187,9 @@ def test_dspark_steps_never_block_on_the_gpu(llama64_dir, tmp_path_factory, no_d
 def test_overlapped_dspark_steps_are_lossless_and_never_block(llama64_dir, tmp_path_factory, no_device_syncs, kind,
                                                               schedule):
     """The overlap scheduler with DSpark on the GPU (TRITON target: KV lengths read on the device;
-    graphs): 20 steady-state steps, each a whole-step graph of continued verify segments (starts
-    shifted on the device) launched before the step in flight is read, one draft launch each,
-    no blocking torch op (`set_sync_debug_mode("error")`); output == the no-spec engine's with the
+    graphs): 20 steady-state steps, each one graph (`SpecStepGraph`: continued verify segments
+    with starts shifted on the device, acceptance, the draft step) launched before the step in
+    flight is read, no blocking torch op (`set_sync_debug_mode("error")`); output == the no-spec engine's with the
     same backend, token for token, and == the DSpark loop without overlap. Also with a draft-length
     schedule (a narrower verify width than the drafted block)."""
     drafter = _drafter(tmp_path_factory, llama64_dir, kind)
@@ -212,14 +212,14 @@ def test_overlapped_dspark_steps_are_lossless_and_never_block(llama64_dir, tmp_p
         ex._drain_incoming()
         for _ in range(6):                              # prefill, warm-up and captures
             ex.step()
-        runner, engine = ex.drafter.graph_runner, ex.engine
-        launches, continued, replays = runner.num_launches, engine.num_continued_steps, engine.graph_runner.graphs.num_replays
+        engine = ex.engine
+        one_graph = engine.spec_step
+        launches, continued, replays = one_graph.num_launches, engine.num_continued_steps, one_graph.graphs.num_replays
         with no_device_syncs():
             for _ in range(20):
                 ex.step()
-        assert runner.num_launches - launches == 20
-        assert engine.num_continued_steps - continued == 20
-        assert engine.graph_runner.graphs.num_replays - replays == 20 and engine.num_eager_steps == 0
+        assert one_graph.num_launches - launches == 20 == one_graph.graphs.num_replays - replays
+        assert engine.num_continued_steps - continued == 20 and engine.num_eager_steps == 0
         ex.run_until_idle()
         got = [h.result(timeout=0).outputs[0].token_ids for h in handles]
     assert got == plain == baseline

@@ -26,6 +26,7 @@ from tensorrt_llm._torch.models.modeling_dspark import DSparkForCausalLMBase
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
 from tensorrt_llm._torch.pyexecutor.kv_cache.kv_cache_spec import KVCacheSpec
 from tensorrt_llm._torch.pyexecutor.kv_cache.resource_manager import KVCacheManager
+from tensorrt_llm._torch.pyexecutor.spec_step_graph import SpecStepGraph
 from tensorrt_llm._torch.runtime.llm_request import LlmRequest, RequestState
 from tensorrt_llm._torch.runtime.sampler import Sampler
 from tensorrt_llm._torch.runtime.step import StepCommit, VerifiedSegment
@@ -256,10 +257,13 @@ def test_executor_launches_drafts_ahead_losslessly_within_owned_pages(make_llm, 
     runner = DraftGraphRunner(worker.drafter, worker.kv, TritonAttention(), worker.kv_caches, torch.device("cpu"),
                               4, verify_widths=[k + 1], num_drafts=k, capture=False)
     worker.graph_runner = runner
+    engine = llm._executor.engine            # the one-graph step drafts through the same runner
+    engine.spec_step = SpecStepGraph(engine.spec_step.target, runner)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert got == want
     assert not bad, bad[:3]
-    assert calls and runner.num_launches > 10 and runner.num_drafted > 2 * runner.num_launches
+    launches = runner.num_launches + engine.spec_step.num_launches
+    assert calls and launches > 10 and runner.num_drafted > 2 * launches
 
 
 def test_verify_gathers_draft_rows_of_several_steps_on_the_device(monkeypatch):

@@ -62,14 +62,23 @@ def test_steps_verify_the_scheduled_width_losslessly(make_llm, tiny_llama_dir, t
         llm = make_llm(tiny_llama_dir, max_batch_size=8, speculative_config=spec,
                        disable_overlap_scheduler=not overlap)
         eng, seen = llm._executor.engine, []
-        real = eng.forward
+        real, real_spec = eng.forward, eng.forward_spec
 
-        def forward(segments):
+        def observe(segments):
             gen = [len(s.token_ids) for s in segments if s.num_logits == len(s.token_ids) and s.start > 0]
             if gen and len(gen) == len(segments):
                 seen.append((len(gen), set(gen)))
+
+        def forward(segments):
+            observe(segments)
             return real(segments)
-        eng.forward = forward
+
+        def forward_spec(reqs, segments):     # the one-graph step (else `forward` runs the step)
+            launch = real_spec(reqs, segments)
+            if launch is not None:
+                observe(segments)
+            return launch
+        eng.forward, eng.forward_spec = forward, forward_spec
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         return outs, seen, llm.get_stats()["speculative"]
 

@@ -1,0 +1,125 @@
+"""One CUDA graph per DSpark step: target verify -> greedy acceptance -> draft step.
+
+A steady-state DSpark step (every request generating, greedy, one verify width q) runs as one
+captured graph per (batch bucket, q, continued), composed of the target runner's whole-step
+entry (`CUDAGraphRunner`) and the drafter's device step (`DraftGraphRunner.draft_rows`)::
+
+    target forward over [anchor, d1..d(q-1)] x bucket       -> logits [bucket*q, V], captured rows
+    best = argmax(logits)  [bucket, q]                       (greedy verify on the device)
+    accepted = running match of the drafts with best         [bucket] 0..q-1 (0 on padding rows)
+    verified = best where col <= accepted, else -1           [bucket, q]: the committed tokens
+    draft step from (captured, verified, start + shift)      -> [bucket, 2 + K] [committed | anchor, drafts]
+
+The host stages only the target's inputs (`CUDAGraphRunner.load_inputs`: one pinned copy; a
+continued step's shift and drafts are gathered on the device); the draft block reads the same
+block tables (one page table addresses both pools) and its positions, slots and lengths are
+computed in the graph. One replay per step, no rejection-sampler launches, no second staging.
+The greedy rule equals `RejectionSampler`'s greedy rows: the accepted drafts equal `best` on
+their columns, so `best` up to and including column `accepted` is the committed row.
+
+Steps it does not take (a prompt chunk, a sampling request, mixed widths, a width the drafter has
+no graph for, a page not owned) run the target graph and the draft graph separately. Without CUDA
+graphs (`capture=False`: the CPU) the same step runs directly on the batch as it is.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from ..attention_backend.interface import AttentionMetadata
+from ..runtime.cuda_graph import GraphCache, GraphEntry
+from ..runtime.llm_request import LlmRequest, RequestState
+from ..runtime.step import DraftsAhead, ForwardOutput, ForwardSegment
+from ..runtime.token_rows import PendingTokens
+from ..speculative.draft_graph_runner import DraftGraphRunner
+from .cuda_graph_runner import CUDAGraphRunner, TargetGraphEntry
+
+
+def greedy_verify(ids: torch.Tensor, logits: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """Greedy acceptance on the device (capturable): ids [B, q] int64 verify segments [anchor,
+    d1..d(q-1)], logits [B, q, V] their target logits, live [B] bool (False: a padding row, which
+    commits one token) -> [B, q] int64: argmax up to and including the first mismatch, then -1."""
+    best = logits.argmax(-1)                                                   # [B, q]
+    accepted = (ids[:, 1:] == best[:, :-1]).long().cumprod(1).sum(1) * live    # [B] 0..q-1
+    cols = torch.arange(ids.shape[1], device=ids.device)
+    return torch.where(cols[None, :] <= accepted[:, None], best, -1)
+
+
+@dataclass
+class SpecLaunch:
+    """A launched one-graph DSpark step, before the host read it."""
+
+    out: ForwardOutput           # captured rows and their offsets (no logits: the verify ran in the graph)
+    verified: torch.Tensor       # [B, q] int64 committed tokens per request, -1 padded (a private copy)
+    ahead: DraftsAhead           # every request's next drafts and committed count, on the device
+
+
+@dataclass
+class _SpecEntry(GraphEntry):
+    """One (bucket, q, continued): the target entry (inputs) and the draft block's metadata over
+    the target entry's block tables; outputs (verified [bucket, q], rows [bucket, 2 + K], captured)."""
+
+    target: Optional[TargetGraphEntry] = None
+    block_md: Optional[AttentionMetadata] = None
+
+
+class SpecStepGraph:
+    """Runs a steady-state DSpark step as one graph (module doc)."""
+
+    def __init__(self, target: CUDAGraphRunner, draft: DraftGraphRunner):
+        if target.kv is not draft.kv:
+            raise ValueError("the target and draft runners must share one KV manager (one page table)")
+        self.target, self.draft = target, draft
+        self.graphs: GraphCache[_SpecEntry] = GraphCache(target.device, target.graphs.capture)
+        self.num_launches = 0
+
+    def eligible(self, reqs: Sequence[LlmRequest], segments: Sequence[ForwardSegment]) -> bool:
+        """Host-known conditions (the plan adds the page checks)."""
+        if not segments or len(segments) > self.target.buckets[-1]:
+            return False
+        q = len(segments[0].token_ids)
+        return q in self.draft.widths and all(
+            r.state == RequestState.GENERATION and not r.is_finished and r.sampling_params.greedy
+            for r in reqs)
+
+    @torch.inference_mode()
+    def run(self, reqs: Sequence[LlmRequest], segments: Sequence[ForwardSegment]) -> Optional[SpecLaunch]:
+        """Launch the step (no wait on the GPU), or None when it is not one this graph takes."""
+        if not self.eligible(reqs, segments):
+            return None
+        # the draft block after the furthest committed token must lie in owned pages too
+        plan = self.target.plan(segments, extra=self.draft.block_size)
+        if plan is None:
+            return None
+        bucket, q = plan.bucket, plan.q
+        entry = self.graphs.entry((bucket, q, plan.shifted), lambda: self._new_entry(bucket, q, plan.shifted))
+        self.target.load_inputs(entry.target, segments, plan)
+        self.draft.prepare_block(entry.block_md, bucket, q, int(plan.starts.max()))
+        verified, rows, captured = self.graphs.replay(entry, self._forward)
+        self.num_launches += 1
+        b = len(segments)
+        self.draft.num_drafted += b
+        n = b * q
+        offsets = list(range(0, n, q))
+        out = ForwardOutput(captured.new_zeros(0, 1).float(), offsets, captured[:n].clone(), offsets)
+        ahead = DraftsAhead({s.request_id: j for j, s in enumerate(segments)}, PendingTokens(rows[:b].clone()))
+        return SpecLaunch(out, verified[:b].clone(), ahead)
+
+    def _new_entry(self, bucket: int, q: int, shifted: bool) -> _SpecEntry:
+        t = self.target.new_entry(bucket, q, shifted)
+        return _SpecEntry(target=t, block_md=self.draft.block_metadata(bucket, t.md.block_tables))
+
+    def _forward(self, entry: _SpecEntry) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        t = entry.target
+        logits, captured = self.target.forward(t)
+        if captured is None:
+            raise ValueError("the one-graph DSpark step needs the target's captured hidden rows")
+        start = t.positions.view(t.bucket, t.q)[:, 0]      # host starts: 0 only on padding rows (a
+        live = start > 0                                   # generating request has its prompt before)
+        verified = greedy_verify(t.input_ids.view(t.bucket, t.q), logits.view(t.bucket, t.q, -1), live)
+        if t.shift is not None:
+            start = start + t.shift
+        rows = self.draft.draft_rows(captured, verified, start, entry.block_md)
+        return verified, rows, captured

@@ -1,0 +1,107 @@
+"""The one-graph DSpark step (`SpecStepGraph`): target verify -> greedy acceptance -> draft step.
+
+`greedy_verify` equals the rejection sampler's greedy rows (random logits and drafts that match a
+random prefix of the argmax; control: one changed draft changes its row). End to end on the CPU
+(the same step code, run directly): with it and without it (target forward + rejection sampler +
+draft step apart) the outputs equal no-spec greedy token for token and the acceptance histograms
+are equal under oracle drafts; most steps take it. Negative control: committing one token past
+the first mismatch changes the output.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tensorrt_llm import SamplingParams
+from tensorrt_llm._torch.pyexecutor import spec_step_graph
+from tensorrt_llm._torch.runtime.sampler import Sampler
+from tensorrt_llm._torch.speculative.rejection_sampler import RejectionSampler, SpecDecodeMetadata
+
+from tests.unittest._torch.pyexecutor.spec_runs import generate_run, random_prompts
+from tests.unittest._torch.speculative.draft_oracle import future_drafts, patch_draft_oracles
+
+
+def _verify_case(seed: int, b: int = 12, q: int = 6, v: int = 50):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(b, q, v, generator=g)
+    best = logits.argmax(-1)
+    ids = torch.randint(0, v, (b, q), generator=g)
+    for i in range(b):            # row i's drafts match the argmax for a prefix of i % q
+        n = i % q
+        ids[i, 1:1 + n] = best[i, :n]
+    return ids, logits
+
+
+def test_greedy_verify_equals_the_rejection_sampler():
+    ids, logits = _verify_case(0)
+    b, q, _ = logits.shape
+    got = spec_step_graph.greedy_verify(ids, logits, torch.ones(b, dtype=torch.bool))
+    meta = SpecDecodeMetadata(request_ids=list(range(b)), params=[SamplingParams()] * b,
+                              draft_token_ids=ids[:, 1:], num_draft_tokens=torch.full((b,), q - 1),
+                              target_logits=logits)
+    want = RejectionSampler(Sampler(0, torch.device("cpu"))).forward(meta)
+    assert torch.equal(got, want)
+    assert sorted(set(((got >= 0).sum(1) - 1).tolist())) == list(range(q))   # every acceptance length
+    pad = spec_step_graph.greedy_verify(ids, logits, torch.zeros(b, dtype=torch.bool))
+    assert ((pad >= 0).sum(1) == 1).all()                                     # a padding row commits one
+    wrong = ids.clone()
+    wrong[q - 1, 1] = (wrong[q - 1, 1] + 1) % logits.shape[2]                 # control: its first draft
+    bad = spec_step_graph.greedy_verify(wrong, logits, torch.ones(b, dtype=torch.bool))
+    assert not torch.equal(bad[q - 1], got[q - 1]) and torch.equal(bad[:q - 1], got[:q - 1])
+
+
+def _off(engine) -> None:
+    engine.spec_step = None
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_one_graph_step_equals_the_split_step(make_llm, tiny_llama_dir, tiny_drafters, monkeypatch, kind):
+    rng = random.Random(11)
+    prompts = random_prompts(rng, 8)
+    max_tokens = [rng.randrange(4, 40) for _ in prompts]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
+    want, _, _ = generate_run(make_llm, tiny_llama_dir, prompts, params, overlap=False, max_batch_size=4)
+    patch_draft_oracles(monkeypatch, future_drafts({tuple(p): t for p, t in zip(prompts, want)}, salt=3))
+    runs = {}
+    for overlap in (False, True):
+        got, stats, ex = generate_run(make_llm, tiny_llama_dir, prompts, params, overlap, tiny_drafters[kind],
+                                   max_batch_size=4)
+        runs[overlap] = (got, stats["speculative"]["accept_histogram"], ex.engine.spec_step.num_launches,
+                         ex.iterations)
+    # the split step: the same engine without the one-graph path
+    from tensorrt_llm._torch.pyexecutor import py_executor_creator
+    real = py_executor_creator._enable_spec_step
+    monkeypatch.setattr(py_executor_creator, "_enable_spec_step", lambda *a: None)
+    split, s_split, ex_split = generate_run(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters[kind],
+                                         max_batch_size=4)
+    monkeypatch.setattr(py_executor_creator, "_enable_spec_step", real)
+    assert ex_split.engine.spec_step is None
+    for overlap, (got, hist, launches, iterations) in runs.items():
+        assert got == want, overlap
+        assert hist == s_split["speculative"]["accept_histogram"], overlap
+        assert launches > 0.5 * iterations, (overlap, launches, iterations)
+    assert split == want
+    assert sum(runs[True][1][1:]) > 0          # drafts were accepted (the oracle's prefixes)
+
+
+def test_committing_past_the_first_mismatch_is_seen(make_llm, tiny_llama_dir, tiny_drafters, monkeypatch):
+    """Negative control: the graph commits one more token (the target's choice after a rejected
+    draft): the output differs from no-spec."""
+    rng = random.Random(5)
+    prompts = random_prompts(rng, 4)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    want, _, _ = generate_run(make_llm, tiny_llama_dir, prompts, params, overlap=False)
+    real = spec_step_graph.greedy_verify
+
+    def one_more(ids, logits, live):
+        v = real(ids, logits, live)
+        n = (v >= 0).sum(1)
+        col = n.clamp(max=v.shape[1] - 1)
+        v.scatter_(1, col[:, None], logits.argmax(-1).gather(1, col[:, None]))
+        return v
+    monkeypatch.setattr(spec_step_graph, "greedy_verify", one_more)
+    bad, _, ex = generate_run(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters["gqa"])
+    assert ex.engine.spec_step.num_launches > 0
+    assert bad != want
