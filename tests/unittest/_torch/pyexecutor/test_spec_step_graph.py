@@ -5,11 +5,12 @@ random prefix of the argmax; control: one changed draft changes its row). End to
 (the same step code, run directly): with it and without it (target forward + rejection sampler +
 draft step apart) the outputs equal no-spec greedy token for token and the acceptance histograms
 are equal under oracle drafts; most steps take it. Negative control: committing one token past
-the first mismatch changes the output.
+the first mismatch changes the output. A refused graph falls back to the split step, losslessly.
 """
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -105,3 +106,28 @@ def test_committing_past_the_first_mismatch_is_seen(make_llm, tiny_llama_dir, ti
     bad, _, ex = generate_run(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters["gqa"])
     assert ex.engine.spec_step.num_launches > 0
     assert bad != want
+
+
+def test_a_refused_one_graph_step_falls_back_to_the_split_step(make_llm, tiny_llama_dir, tiny_drafters, monkeypatch,
+                                                               caplog):
+    """A runtime error in the one-graph step (a capture the runtime refuses) turns it off with an
+    error logged; that step and the rest run verify and draft apart, and the output still equals
+    no-spec greedy (no request fails)."""
+    rng = random.Random(9)
+    prompts = random_prompts(rng, 4)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    want, _, _ = generate_run(make_llm, tiny_llama_dir, prompts, params, overlap=False)
+    real, calls = spec_step_graph.SpecStepGraph.run, []
+
+    def refused(self, reqs, segments):
+        calls.append(len(segments))
+        if len(calls) == 3:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return real(self, reqs, segments)
+    monkeypatch.setattr(spec_step_graph.SpecStepGraph, "run", refused)
+    with caplog.at_level("ERROR", logger="tensorrt_llm"):
+        got, stats, ex = generate_run(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters["gqa"])
+    assert got == want
+    assert len(calls) == 3 and ex.engine.spec_step is None
+    assert "one-graph DSpark step failed" in caplog.text and not re.search(r"request \d+ failed", caplog.text)
+    assert stats["speculative"]["accept_histogram"][0] > 0 and ex.drafter.graph_runner is not None
