@@ -100,6 +100,7 @@ def profile_arm(model: str, drafter: str | None, batch: int, max_tokens: int, pr
     timers: dict = defaultdict(float)
     _wrap_timers(ex, timers)
     t0, it0 = time.perf_counter(), ex.iterations
+    hist0 = list(ex.drafter.stats()["accept_histogram"]) if ex.drafter is not None else []
     outs = llm.generate(chat, params)
     wall = time.perf_counter() - t0
     steps = ex.iterations - it0
@@ -118,6 +119,12 @@ def profile_arm(model: str, drafter: str | None, batch: int, max_tokens: int, pr
            "continued_steps": ex.engine.num_continued_steps,
            "one_graph_steps": ex.engine.spec_step.num_launches if ex.engine.spec_step is not None else 0}
     if ex.drafter is not None:
+        # acceptance over the timed run: AL per verify, and verifies per step (B when every request
+        # verifies in every step; prefill steps and requests sitting out lower it)
+        hist = [a - b for a, b in zip(ex.drafter.stats()["accept_histogram"], hist0)]
+        verifies = sum(hist)
+        res["acceptance_length"] = 1 + sum(i * n for i, n in enumerate(hist)) / max(verifies, 1)
+        res["verifies_per_step"] = verifies / max(steps, 1)
         g = ex.drafter.graph_runner
         res["draft_graph_replays"] = g.graphs.num_replays if g else 0
         res["draft_graph_launches"] = g.num_launches if g else None
@@ -179,6 +186,8 @@ def main() -> None:
             ph = r["phase_ms_per_step"]
             print(f"{name:7s} B={b:3d} {r['tok_per_s']:8.0f} tok/s  {r['ms_per_step']:6.2f} ms/step "
                   f"(gpu {r['gpu_ms_per_step']:5.2f}, {r['gpu_ops_per_step']:5.0f} ops)  tok/step {r['tokens_per_step']:5.1f}  "
+                  + (f"AL {r['acceptance_length']:.2f} verifies/step {r['verifies_per_step']:.1f}  "
+                     if "acceptance_length" in r else "")
                   + "  ".join(f"{k} {v:5.2f}" for k, v in ph.items()), flush=True)
             (out / "spec_profile.json").write_text(json.dumps(rows, indent=1))
 
