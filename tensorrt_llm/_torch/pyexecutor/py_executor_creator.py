@@ -118,19 +118,21 @@ def create_py_executor(args: TorchLlmArgs, tokenizer: TokenizerWrapper) -> Execu
 
 def _enable_spec_step(engine: ModelEngine, drafter, max_batch_size: int) -> dict[str, Any]:
     """With a device draft step, steady-state DSpark steps run verify -> accept -> draft as one
-    graph (`SpecStepGraph`): composed with the target's graph runner, or (no CUDA graphs) a
-    direct runner of the same step. Returns the capacity report's entry."""
+    graph (`SpecStepGraph`), composed with the target's graph runner; on the CPU (no CUDA graphs)
+    the same step runs directly, the reference path. Returns the capacity report's entry."""
     from .cuda_graph_runner import CUDAGraphRunner
     from .spec_step_graph import SpecStepGraph
     if drafter.graph_runner is None:
         return {"enabled": False, "reason": f"the device draft step is off ({drafter.graph_backend})"}
     target = engine.graph_runner
+    if target is None and engine.device.type == "cuda":
+        return {"enabled": False, "reason": "use_cuda_graph is off (on CUDA the step is one captured graph)"}
     if target is None:
         target = CUDAGraphRunner(engine.model, engine.kv, engine.backend, engine.kv_caches, engine.device,
                                  max_batch_size, token_counts=drafter.verify_widths,
                                  capture_layer_ids=engine.capture_layer_ids, capture=False)
     engine.spec_step = SpecStepGraph(target, drafter.graph_runner)
-    how = "one CUDA graph" if target.graphs.capture else "one direct run (no CUDA graphs)"
+    how = "one CUDA graph" if target.graphs.capture else "one step run directly (the CPU reference path)"
     return {"enabled": True, "reason": f"greedy generation steps: verify, acceptance and draft step as {how}"}
 
 

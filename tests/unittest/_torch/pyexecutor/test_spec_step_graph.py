@@ -131,3 +131,16 @@ def test_a_refused_one_graph_step_falls_back_to_the_split_step(make_llm, tiny_ll
     assert len(calls) == 3 and ex.engine.spec_step is None
     assert "one-graph DSpark step failed" in caplog.text and not re.search(r"request \d+ failed", caplog.text)
     assert stats["speculative"]["accept_histogram"][0] > 0 and ex.drafter.graph_runner is not None
+
+
+def test_capacity_report_says_whether_steps_are_one_graph(make_llm, tiny_llama_dir, tiny_drafters, monkeypatch):
+    spec = {"decoding_type": "DSpark", "speculative_model": tiny_drafters["gqa"]}
+    on = make_llm(tiny_llama_dir, speculative_config=spec)
+    rep = on.capacity_report["one_graph_step"]
+    assert rep["enabled"] and "directly" in rep["reason"] and on._executor.engine.spec_step is not None
+    assert "one_graph_step" not in make_llm(tiny_llama_dir).capacity_report          # no drafter
+    from tensorrt_llm._torch.speculative.dspark_worker import DSparkWorker
+    monkeypatch.setattr(DSparkWorker, "enable_device_drafts", lambda self, *a, **k: None)
+    off = make_llm(tiny_llama_dir, speculative_config=spec)
+    rep = off.capacity_report["one_graph_step"]
+    assert not rep["enabled"] and "device draft step is off" in rep["reason"] and off._executor.engine.spec_step is None
