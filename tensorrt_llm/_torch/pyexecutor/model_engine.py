@@ -12,6 +12,7 @@ import torch
 from ..attention_backend.interface import (FP8_KV_DTYPES, AttentionBackend, AttentionMetadata, device_positions,
                                            host_ints)
 from ..runtime.device import is_device_fault
+from ..runtime.llm_request import LlmRequest
 from ..runtime.step import ForwardOutput, ForwardSegment
 from ..runtime.token_rows import gather_into
 from .cuda_graph_runner import CUDAGraphRunner, stage_input_ids
@@ -64,7 +65,8 @@ class ModelEngine:
         self.spec_step: Optional["SpecStepGraph"] = None   # set by the creator with a device draft step
 
     @torch.inference_mode()
-    def forward_spec(self, reqs, segments: Sequence[ForwardSegment]) -> Optional["SpecLaunch"]:
+    def forward_spec(self, reqs: Sequence[LlmRequest], segments: Sequence[ForwardSegment]
+                     ) -> Optional["SpecLaunch"]:
         """The step as one verify -> accept -> draft graph (`SpecStepGraph`), or None when it is not
         one it takes (the caller runs `forward` and the drafter). A graph the runtime refuses turns
         the one-graph step off (logged); the step then runs the other way."""
