@@ -40,7 +40,7 @@ from ..attention_backend.interface import (BAD_PAGE_INDEX, AttentionBackend, Att
 from ..runtime.cuda_graph import (GraphCache, GraphEntry, batch_buckets, check_graph_support, fill_padded,
                                   flat_rows, owned_rows)
 from ..runtime.step import ForwardOutput
-from ..runtime.token_rows import TokenRow, VerifyTokens, gather_into
+from ..runtime.token_rows import TokenRow, VerifyTokens, gather_into, gather_shifts
 from .kv_cache.resource_manager import KVCacheManager
 
 logger = logging.getLogger("tensorrt_llm")
@@ -252,9 +252,7 @@ class CUDAGraphRunner:
             entry.copied.record()
         device_input_ids(entry.input_ids.view(bucket, q), segments, lazy, rows)
         if entry.shift is not None:
-            entry.shift.zero_()
-            at = [j for j, s in enumerate(segments) if s.start_shift is not None]
-            gather_into(entry.shift[:, None], [segments[j].start_shift for j in at], at)
+            gather_shifts(entry.shift, [s.start_shift for s in segments] + [None] * (bucket - b))
         md = entry.md
         md.num_cached = plan.starts.tolist() + [0] * (bucket - b)
         md.graph_shape = (bucket, q, max_pages)

@@ -14,7 +14,7 @@ from ..attention_backend.interface import (FP8_KV_DTYPES, AttentionBackend, Atte
 from ..runtime.device import is_device_fault
 from ..runtime.llm_request import LlmRequest
 from ..runtime.step import ForwardOutput, ForwardSegment
-from ..runtime.token_rows import gather_into
+from ..runtime.token_rows import gather_shifts
 from .cuda_graph_runner import CUDAGraphRunner, stage_input_ids
 from .kv_cache.resource_manager import KVCacheManager
 from .piecewise_graph_runner import PiecewiseGraphRunner
@@ -141,9 +141,8 @@ class ModelEngine:
         b, q, dev = len(segments), len(segments[0].token_ids), self.device
         rids = [s.request_id for s in segments]
         starts = host_ints([s.start for s in segments], dev)
-        shift = torch.zeros(b, dtype=torch.long, device=dev)
-        at = [j for j, s in enumerate(segments) if s.start_shift is not None]
-        gather_into(shift[:, None], [segments[j].start_shift for j in at], at)
+        shift = torch.empty(b, dtype=torch.long, device=dev)
+        gather_shifts(shift, [s.start_shift for s in segments])
         start = starts + shift
         table = host_ints(self.kv.page_table[self.kv.rows(rids)], dev, torch.int32)
         pos, slots = device_positions(start, q, table, self.kv.tokens_per_block)

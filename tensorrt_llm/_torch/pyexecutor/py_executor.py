@@ -217,13 +217,11 @@ class PyExecutor:
             else:
                 step = self._launch_choice(reqs, segments, num_ctx, out, launch)
                 prev, self._spec_inflight = self._spec_inflight, None
+                if prev is not None:
+                    self._complete(prev)
                 if self.spec_overlap and step.deferrable:
                     self._spec_inflight = step     # read at the next step, while the GPU runs it
-                    if prev is not None:
-                        self._complete(prev)
                 else:
-                    if prev is not None:
-                        self._complete(prev)
                     self._complete(step)
             self._retire_finished()
         finally:

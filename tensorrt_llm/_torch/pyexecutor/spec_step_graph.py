@@ -30,7 +30,7 @@ import torch
 
 from ..attention_backend.interface import AttentionMetadata
 from ..runtime.cuda_graph import GraphCache, GraphEntry
-from ..runtime.llm_request import LlmRequest, RequestState
+from ..runtime.llm_request import LlmRequest
 from ..runtime.step import DraftsAhead, ForwardOutput, ForwardSegment
 from ..runtime.token_rows import PendingTokens
 from ..speculative.draft_graph_runner import DraftGraphRunner
@@ -76,13 +76,10 @@ class SpecStepGraph:
         self.num_launches = 0
 
     def eligible(self, reqs: Sequence[LlmRequest], segments: Sequence[ForwardSegment]) -> bool:
-        """Host-known conditions (the plan adds the page checks)."""
-        if not segments or len(segments) > self.target.buckets[-1]:
+        """Host-known per-request conditions (the target's plan adds the shape, bucket and page checks)."""
+        if not segments:
             return False
-        q = len(segments[0].token_ids)
-        return q in self.draft.widths and all(
-            r.state == RequestState.GENERATION and not r.is_finished and r.sampling_params.greedy
-            for r in reqs)
+        return len(segments[0].token_ids) in self.draft.widths and all(self.draft.takes(r) for r in reqs)
 
     @torch.inference_mode()
     def run(self, reqs: Sequence[LlmRequest], segments: Sequence[ForwardSegment]) -> Optional[SpecLaunch]:

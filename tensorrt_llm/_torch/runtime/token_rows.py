@@ -124,6 +124,15 @@ def gather_into(dst: torch.Tensor, rows: Sequence["TokenRow"], at: Sequence[int]
             dst.index_copy_(0, host_ints(js, dev), pend.device.index_select(0, host_ints(src, dev))[:, cols])
 
 
+def gather_shifts(dst: torch.Tensor, shifts: Sequence[Optional["TokenRow"]]) -> None:
+    """dst [N] int64 on the device <- the continued segments' start shifts (`ForwardSegment.start_shift`,
+    one committed count each, still on the device), 0 where a segment has none; never waits."""
+    dst.zero_()
+    at = [j for j, sh in enumerate(shifts) if sh is not None]
+    if at:
+        gather_into(dst[:, None], [shifts[j] for j in at], at)
+
+
 class VerifyTokens(_HostInts):
     """A verify segment's tokens [anchor, d1..dk] with device-resident drafts."""
 

@@ -46,9 +46,9 @@ from ..attention_backend.interface import (BAD_PAGE_INDEX, AttentionBackend, Att
                                            host_ints)
 from ..pyexecutor.kv_cache.resource_manager import KVCacheManager
 from ..runtime.cuda_graph import GraphCache, GraphEntry, batch_buckets, check_graph_support, owned_rows
-from ..runtime.llm_request import RequestState
+from ..runtime.llm_request import LlmRequest, RequestState
 from ..runtime.step import DraftsAhead, VerifiedSegment
-from ..runtime.token_rows import PendingTokens, gather_into
+from ..runtime.token_rows import PendingTokens, TokenRow, gather_shifts
 
 logger = logging.getLogger("tensorrt_llm")
 
@@ -119,13 +119,16 @@ class DraftGraphRunner:
         self.num_drafted = 0             # requests drafted by the graph (the rest draft after the host update)
 
     # ---- eligibility ---------------------------------------------------------------------
+    @staticmethod
+    def takes(req: LlmRequest) -> bool:
+        """A request the device draft step drafts for: generating, not finished, greedy."""
+        return req.state == RequestState.GENERATION and not req.is_finished and req.sampling_params.greedy
+
     def plan(self, items: Sequence[VerifiedSegment], counts: Sequence[int]) -> tuple[list[int], Optional[DraftPlan]]:
         """(indices of the items that can launch, in order; their `DraftPlan`), ([], None) when none
         can. counts[i]: tokens of item i's verify segment (captured rows)."""
         s = self.block_size
-        cand = [i for i, (it, n) in enumerate(zip(items, counts))
-                if n in self.widths and it.req.state == RequestState.GENERATION and not it.req.is_finished
-                and it.req.sampling_params.greedy]
+        cand = [i for i, (it, n) in enumerate(zip(items, counts)) if n in self.widths and self.takes(it.req)]
         if not cand:
             return [], None
         q = max(counts[i] for i in cand)        # one width per launch (a step verifies one draft length)
@@ -217,7 +220,7 @@ class DraftGraphRunner:
                            host_views=tuple(t.numpy() for t in self._io_views(host, bucket)))
 
     def _load_inputs(self, entry: _DraftEntry, b: int, captured: torch.Tensor, verified: torch.Tensor,
-                     plan: DraftPlan, shifts: Sequence = ()) -> None:
+                     plan: DraftPlan, shifts: Sequence[Optional[TokenRow]]) -> None:
         """Stage the padded host inputs (one non-blocking copy) and the group's device rows.
         shifts[j]: request j's start shift (`VerifiedSegment.start_shift`) or None."""
         q, bucket, scratch = entry.q, entry.bucket, self.scratch_page
@@ -236,10 +239,7 @@ class DraftGraphRunner:
         if entry.io.is_cuda:
             entry.copied = torch.cuda.Event()
             entry.copied.record()
-        entry.shift.zero_()
-        at = [j for j, sh in enumerate(shifts) if sh is not None]
-        if at:
-            gather_into(entry.shift[:, None], [shifts[j] for j in at], at)
+        gather_shifts(entry.shift, list(shifts) + [None] * (bucket - b))
         entry.captured[:b * q].copy_(captured)
         entry.verified[:b].copy_(verified)
         if b < bucket:                     # padding rows: one committed token, at position 0

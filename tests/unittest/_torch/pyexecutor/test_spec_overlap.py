@@ -77,15 +77,14 @@ def test_a_wrong_device_shift_is_seen(make_llm, tiny_llama_dir, tiny_drafters, m
     want, _, _ = generate_run(make_llm, tiny_llama_dir, prompts, params, overlap=False)
     got, _, ex = generate_run(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters["gqa"])
     assert got == want and ex.engine.num_continued_steps > 0
-    real = token_rows.gather_into
+    real = token_rows.gather_shifts
 
-    def late(dst, rows, at):
-        real(dst, rows, at)
-        if dst.shape[-1] == 1:     # the shifts [B, 1] (input ids of a verify step are wider)
-            dst.add_(1)
+    def late(dst, shifts):
+        real(dst, shifts)
+        dst.add_(1)
     from tensorrt_llm._torch.pyexecutor import cuda_graph_runner, model_engine
-    monkeypatch.setattr(model_engine, "gather_into", late)        # the eager continued step
-    monkeypatch.setattr(cuda_graph_runner, "gather_into", late)   # the graph entries (one-graph step)
+    monkeypatch.setattr(model_engine, "gather_shifts", late)        # the eager continued step
+    monkeypatch.setattr(cuda_graph_runner, "gather_shifts", late)   # the graph entries (one-graph step)
     bad, _, _ = generate_run(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters["gqa"])
     assert bad != want
 
