@@ -7,7 +7,8 @@
 An arm is ``NAME=hf`` (HF transformers ``generate``, static cache + torch.compile on CUDA: the
 ``--hf-baseline`` of ``trtllm-bench``) or ``NAME=SPEC`` where SPEC is a TorchLlmArgs YAML file or an
 inline YAML mapping (``'{attn_backend: FLASHINFER, use_cuda_graph: true}'``). Every arm is built once
-and kept: engine arms are warmed up at every concurrency level before the first round. Round r runs
+and kept: engine arms are warmed up by one unmeasured pass of every concurrency level before the
+first round (kernels a new shape JIT-compiles are compiled then). Round r runs
 the arms in the order rotated by r (round 0: a b c, round 1: b c a, ...) and, per arm, every
 concurrency level with ``benchmark.run_concurrency`` (HF: ``HFBaseline.run`` in its own process,
 ``HFProcess``; batch = C). Level C runs max(waves x C, min_requests) requests (prompts cycled), so batch 1 is measured on
@@ -263,10 +264,11 @@ def run_sidebyside(args: argparse.Namespace, arms: Sequence[Arm], report_cb=None
                     raise ValueError(f"arm {arm.name} tokenizes the prompts differently from the first engine arm")
                 prompts = ids
                 report.setdefault("capacity", {})[arm.name] = eng.llm.capacity_report
-                for c in args.concurrency:   # first-use costs (graphs, plans, allocator) stay out of round 0
-                    warm = level_requests(prompts, c, 1, 1)
+                for c in args.concurrency:   # first-use costs (kernel JIT, plans, allocator) stay out of round 0
+                    warm = level_requests(prompts, c, args.waves, args.min_requests)
                     benchmark.run_concurrency(eng.llm, warm, c, SamplingParams(
-                        max_tokens=min(args.max_tokens, args.warmup_tokens), ignore_eos=True, temperature=0.0))
+                        max_tokens=min(args.max_tokens, args.warmup_tokens or args.max_tokens), ignore_eos=True,
+                        temperature=0.0))
                 mark(f"built + warmed {arm.name}")
             for arm in arms:
                 if arm.is_hf:   # its own process: no torch.compile state next to the engines' graphs
@@ -346,7 +348,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--waves", type=int, default=2, help="level C runs max(waves x C, --min-requests) requests")
     p.add_argument("--min-requests", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--warmup-tokens", type=int, default=32, help="output tokens of the per-level warm-up")
+    p.add_argument("--warmup-tokens", type=int, default=None, help="output tokens of the per-level warm-up "
+                   "(one unmeasured pass of every level's requests; default --max-tokens)")
     p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--hf-static-cache", action=argparse.BooleanOptionalAction, default=None,
                    help="HF static cache (+ torch.compile); default on CUDA only")

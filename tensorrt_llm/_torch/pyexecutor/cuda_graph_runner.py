@@ -14,7 +14,8 @@ Per (bucket, q) a `TargetGraphEntry` owns the persistent inputs: input_ids, posi
 A step copies its inputs into them, lets the backend plan outside the graph
 (`backend.prepare(md)` with md.graph_shape) and replays. The first
 step of a (bucket, q) runs once eagerly (warm-up: lazy state, and the backend plans its
-fixed-address wrappers), is captured, then replayed.
+fixed-address wrappers), is captured, then replayed. The engine captures every entry at startup
+(`capture_all`, on padding rows only), so no serving step waits for a capture.
 
 Host cost per step is kept to a few numpy gathers and one copy: all four inputs are views
 of one device buffer, staged in one pinned host buffer of the same layout and copied with
@@ -110,6 +111,12 @@ class StepPlan(NamedTuple):
     rows: np.ndarray        # [B] int64 rows of kv.page_table
     starts: np.ndarray      # [B] int64 first position of each segment (before any shift)
     shifted: bool = False   # some segment is continued (`ForwardSegment.start_shift`)
+
+    @classmethod
+    def padding_only(cls, bucket: int, q: int, shifted: bool = False) -> "StepPlan":
+        """A step of padding rows only: what captures an entry before any real step needs it."""
+        none = np.empty(0, dtype=np.int64)
+        return cls(bucket, q, none.reshape(0, q), none, none, shifted)
 
 
 @dataclass
@@ -210,6 +217,23 @@ class CUDAGraphRunner:
         offsets = list(range(0, n, q))
         return ForwardOutput(logits[:n].clone(), offsets, cap, offsets)
 
+    @torch.inference_mode()
+    def capture_all(self, continued: bool) -> int:
+        """Capture every (bucket, q) entry now, on padding rows, so that no step waits for a capture
+        (the engine calls it once at startup); continued: the continued-segment entries too.
+        Returns how many were captured (0 without CUDA graphs)."""
+        if not self.graphs.capture:
+            return 0
+        n0 = self.graphs.num_captures
+        for bucket in self.buckets:
+            for q in sorted(self.token_counts):
+                for shifted in (False, True) if continued else (False,):
+                    entry = self.graphs.entry((bucket, q, shifted), lambda: self.new_entry(bucket, q, shifted))
+                    if entry.graph is None:
+                        self.load_inputs(entry, [], StepPlan.padding_only(bucket, q, shifted))
+                        self.graphs.replay(entry, self.forward)
+        return self.graphs.num_captures - n0
+
     def new_entry(self, bucket: int, q: int, shifted: bool = False) -> TargetGraphEntry:
         dev, max_pages = self.device, self.kv.max_blocks_per_seq
         words = 3 * bucket * q + -(-bucket * max_pages // 2)
@@ -257,7 +281,7 @@ class CUDAGraphRunner:
         md.num_cached = plan.starts.tolist() + [0] * (bucket - b)
         md.graph_shape = (bucket, q, max_pages)
         if entry.shift is not None:   # a host bound on the device lengths (VANILLA masks over it)
-            md.kv_len_bound = int(plan.starts.max()) + max(self.token_counts) + q
+            md.kv_len_bound = int(plan.starts.max(initial=0)) + max(self.token_counts) + q
         self.backend.prepare(md)
 
     def forward(self, entry: TargetGraphEntry) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

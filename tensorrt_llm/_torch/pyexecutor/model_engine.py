@@ -64,6 +64,27 @@ class ModelEngine:
         self.num_continued_steps = 0     # steps launched from the device rows of the step in flight
         self.spec_step: Optional["SpecStepGraph"] = None   # set by the creator with a device draft step
 
+    def capture_graphs(self, continued: bool) -> int:
+        """Capture every CUDA graph a step may replay (whole-step entries, piecewise token buckets, the
+        one-graph DSpark step) now, so no serving step waits for a capture; continued: the entries of
+        continued segments too (overlapped DSpark steps). A one-graph step the runtime refuses to
+        capture is turned off (logged), as in `forward_spec`. Returns how many were captured."""
+        n = 0
+        if self.graph_runner is not None:
+            n += self.graph_runner.capture_all(continued)
+        if self.piecewise is not None:
+            n += self.piecewise.capture_all()
+        if self.spec_step is not None:
+            try:
+                n += self.spec_step.capture_all(continued)
+            except RuntimeError as e:
+                if is_device_fault(e):
+                    raise
+                logger.error("one-graph DSpark step capture failed (%s: %s); verify and draft run apart",
+                             type(e).__name__, e)
+                self.spec_step = None
+        return n
+
     @torch.inference_mode()
     def forward_spec(self, reqs: Sequence[LlmRequest], segments: Sequence[ForwardSegment]
                      ) -> Optional["SpecLaunch"]:

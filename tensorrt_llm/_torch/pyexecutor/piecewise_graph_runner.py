@@ -166,6 +166,20 @@ class PiecewiseGraphRunner:
         cap = torch.cat(out.captured, dim=-1)[:n] if out.captured else None
         return ForwardOutput(logits, logits_offsets, cap, token_offsets)
 
+    @torch.inference_mode()
+    def capture_all(self) -> int:
+        """Capture every token bucket's pieces now (the engine calls it once at startup, so no step
+        waits for a capture): the pieces replay in order on zero inputs with attention skipped
+        (pieces write only their own outputs; the KV pool is untouched). Returns how many graphs
+        were captured."""
+        n0 = self.graphs.num_captures
+        for t in self.buckets:
+            b = self._bucket(t)
+            for j in range(len(b.pieces)):
+                if b.pieces[j].graph is None:
+                    self._replay(b, j)
+        return self.graphs.num_captures - n0
+
     def _bucket(self, t: int) -> _Bucket:
         b = self._buckets.get(t)
         if b is None:

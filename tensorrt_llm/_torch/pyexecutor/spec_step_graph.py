@@ -34,7 +34,7 @@ from ..runtime.llm_request import LlmRequest
 from ..runtime.step import DraftsAhead, ForwardOutput, ForwardSegment
 from ..runtime.token_rows import PendingTokens
 from ..speculative.draft_graph_runner import DraftGraphRunner
-from .cuda_graph_runner import CUDAGraphRunner, TargetGraphEntry
+from .cuda_graph_runner import CUDAGraphRunner, StepPlan, TargetGraphEntry
 
 
 def greedy_verify(ids: torch.Tensor, logits: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
@@ -103,6 +103,23 @@ class SpecStepGraph:
         out = ForwardOutput(captured.new_zeros(0, 1).float(), offsets, captured[:n].clone(), offsets)
         ahead = DraftsAhead({s.request_id: j for j, s in enumerate(segments)}, PendingTokens(rows[:b].clone()))
         return SpecLaunch(out, verified[:b].clone(), ahead)
+
+    @torch.inference_mode()
+    def capture_all(self, continued: bool) -> int:
+        """Capture every (bucket, q[, continued]) entry now, on padding rows (the engine calls it once
+        at startup). Returns how many were captured (0 without CUDA graphs)."""
+        if not self.graphs.capture:
+            return 0
+        n0 = self.graphs.num_captures
+        for bucket in self.target.buckets:
+            for q in sorted(self.draft.widths & self.target.token_counts):
+                for shifted in (False, True) if continued else (False,):
+                    entry = self.graphs.entry((bucket, q, shifted), lambda: self._new_entry(bucket, q, shifted))
+                    if entry.graph is None:
+                        self.target.load_inputs(entry.target, [], StepPlan.padding_only(bucket, q, shifted))
+                        self.draft.prepare_block(entry.block_md, bucket, q, 0)
+                        self.graphs.replay(entry, self._forward)
+        return self.graphs.num_captures - n0
 
     def _new_entry(self, bucket: int, q: int, shifted: bool) -> _SpecEntry:
         t = self.target.new_entry(bucket, q, shifted)

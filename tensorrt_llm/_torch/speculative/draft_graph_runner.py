@@ -183,6 +183,22 @@ class DraftGraphRunner:
         self.num_drafted += b
         return DraftsAhead({it.req.request_id: j for j, it in enumerate(group)}, PendingTokens(out[:b].clone()))
 
+    @torch.inference_mode()
+    def capture_all(self, dtype: torch.dtype) -> int:
+        """Capture every (bucket, q) entry now, on padding rows (the engine calls it once at startup);
+        dtype: the target's captured rows. Returns how many were captured (0 without CUDA graphs)."""
+        if not self.graphs.capture:
+            return 0
+        n0, width, none = self.graphs.num_captures, self.drafter.config.fc_in_features, np.empty(0, dtype=np.int64)
+        for bucket in self.buckets:
+            for q in sorted(self.widths):
+                entry = self.graphs.entry((bucket, q), lambda: self._new_entry(bucket, q, width, dtype))
+                if entry.graph is None:
+                    self._load_inputs(entry, 0, entry.captured[:0], entry.verified[:0],
+                                      DraftPlan(bucket, q, none, none), [])
+                    self.graphs.replay(entry, self._forward)
+        return self.graphs.num_captures - n0
+
     def _io_views(self, buf: torch.Tensor, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(starts [bucket] int64, block_tables [bucket, max_pages] int32) views of an io buffer."""
         width = self.kv.max_blocks_per_seq
@@ -245,7 +261,7 @@ class DraftGraphRunner:
         if b < bucket:                     # padding rows: one committed token, at position 0
             entry.verified[b:] = -1
             entry.verified[b:, 0] = 0
-        self.prepare_block(entry.md, bucket, q, int(plan.starts.max()))
+        self.prepare_block(entry.md, bucket, q, int(plan.starts.max(initial=0)))
 
     def _forward(self, entry: _DraftEntry) -> torch.Tensor:
         return self.draft_rows(entry.captured, entry.verified, entry.starts + entry.shift, entry.md)

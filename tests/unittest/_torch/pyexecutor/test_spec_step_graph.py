@@ -144,3 +144,35 @@ def test_capacity_report_says_whether_steps_are_one_graph(make_llm, tiny_llama_d
     off = make_llm(tiny_llama_dir, speculative_config=spec)
     rep = off.capacity_report["one_graph_step"]
     assert not rep["enabled"] and "device draft step is off" in rep["reason"] and off._executor.engine.spec_step is None
+
+
+def test_a_one_graph_capture_refused_at_startup_turns_it_off(make_llm, tiny_llama_dir, tiny_drafters, monkeypatch,
+                                                             caplog):
+    """`ModelEngine.capture_graphs` (the startup capture of every graph): a one-graph step the runtime
+    refuses to capture is turned off with an error logged and the engine keeps serving, losslessly;
+    a device fault is raised. Control: without the refusal the step stays on (on the CPU nothing is
+    captured: the step runs directly)."""
+    spec = {"decoding_type": "DSpark", "speculative_model": tiny_drafters["gqa"]}
+    llm = make_llm(tiny_llama_dir, speculative_config=spec)
+    engine = llm._executor.engine
+    assert engine.capture_graphs(True) == 0 and engine.spec_step is not None
+
+    def refused(self, continued):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(spec_step_graph.SpecStepGraph, "capture_all", refused)
+    with caplog.at_level("ERROR", logger="tensorrt_llm"):
+        assert engine.capture_graphs(True) == 0
+    assert engine.spec_step is None and "one-graph DSpark step capture failed" in caplog.text
+    rng = random.Random(4)
+    prompts = random_prompts(rng, 3)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    want, _, _ = generate_run(make_llm, tiny_llama_dir, prompts, params, overlap=False)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+
+    llm2 = make_llm(tiny_llama_dir, speculative_config=spec)
+
+    def fault(self, continued):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(spec_step_graph.SpecStepGraph, "capture_all", fault)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        llm2._executor.engine.capture_graphs(True)

@@ -129,7 +129,8 @@ def test_draft_graph_matches_eager_and_is_lossless(llama64_dir, tmp_path_factory
 def test_split_steps_with_staggered_arrivals_are_lossless(llama64_dir, tmp_path_factory):
     """More requests than the batch and different max_tokens: requests finish at different steps
     and new prompts arrive next to verify segments (piecewise target steps; the prompt-finishing
-    requests draft eagerly next to the launched draft graph). Output == the no-spec graph engine's, token for token; graphs dominate."""
+    requests draft eagerly next to the launched draft graph). Output == the no-spec graph engine's, token for token; graphs dominate.
+    Every graph was captured at startup: none is captured while the requests run."""
     pytest.importorskip("flashinfer")
     drafter = _drafter(tmp_path_factory, llama64_dir, "gqa")
     prompts = PROMPTS + [p[::-1] for p in PROMPTS]
@@ -137,18 +138,31 @@ def test_split_steps_with_staggered_arrivals_are_lossless(llama64_dir, tmp_path_
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
     common = dict(device="cuda", attn_backend="FLASHINFER", max_batch_size=4, use_cuda_graph=True,
                   kv_cache_config={"max_tokens": 8192, "tokens_per_block": 16})
+    def captures(llm) -> list[int]:
+        ex = llm._executor
+        caches = [ex.engine.graph_runner.graphs, ex.engine.piecewise.graphs]
+        if ex.drafter is not None:
+            caches += [ex.engine.spec_step.graphs, ex.drafter.graph_runner.graphs]
+        return [c.num_captures for c in caches]
+
     with LLM(str(llama64_dir), **common) as llm:
+        at_start = captures(llm)
         baseline = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert captures(llm) == at_start and llm.capacity_report["cuda_graphs"]["captured_at_startup"] == sum(at_start)
     spec = {"decoding_type": "DSpark", "speculative_model": str(drafter)}
     with LLM(str(llama64_dir), speculative_config=spec, **common) as llm:
+        at_start = captures(llm)
         toks = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert captures(llm) == at_start and min(at_start) > 0, (at_start, captures(llm))
+        assert llm.capacity_report["cuda_graphs"]["captured_at_startup"] == sum(at_start)
         llm_engine = llm._executor.engine
         target = llm_engine.graph_runner
         draft = llm._executor.drafter.graph_runner
         stats = llm._executor.drafter.stats()["device_drafts"]
     assert [len(t) for t in toks] == max_tokens
     assert toks == baseline
-    assert target.num_declined > 0 and target.graphs.num_replays > 0
+    # steady steps replay the one-graph step; the others the target's whole-step or piecewise graphs
+    assert target.num_declined > 0 and llm_engine.spec_step.graphs.num_replays > 0
     assert llm_engine.piecewise.num_steps == target.num_declined and llm_engine.num_eager_steps == 0
     assert draft is not None and draft.num_launches > 0 and stats["drafted_requests"] == draft.num_drafted > 0
 
