@@ -103,6 +103,21 @@ class LlamaDecoderLayer(nn.Module):
         h = h + self.self_attn.o_proj(o)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def output_then_inputs(self, h: torch.Tensor, o: torch.Tensor, nxt: "LlamaDecoderLayer",
+                           positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+                           ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """This layer's output, then `nxt`'s attention inputs: one region when both layers run
+        regions (`compiled_regions.output_then_inputs`). Returns (h [T, hidden], (q, k, v) of nxt)."""
+        r = self.regions
+        if r is None or nxt.regions is None:
+            h = self.output(h, o)
+            return h, nxt.attention_inputs(h, positions, rope)
+        n, m, a = self.post_attention_layernorm, nxt.input_layernorm, nxt.self_attn
+        h, q, k, v = r.output_then_inputs(h, o, self.self_attn.o_proj.weight, n.weight, n.eps, self.mlp._gate_up,
+                                          self.mlp.down_proj.weight, m.weight, m.eps, *a._qkv, *rope, a.num_heads,
+                                          a.num_kv_heads, a.head_dim)
+        return h, (q, k, v)
+
     def forward(self, h: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 md: AttentionMetadata, backend: AttentionBackend,
                 rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -149,13 +164,20 @@ class LlamaForCausalLM(nn.Module):
 
         A captured tensor is the residual stream after that decoder layer (hidden + residual).
         The same computation, cut at each attention, is what the piecewise CUDA graphs capture
-        (`embed`, `decoder_layers[i].attention_inputs / .output`, `final_norm`).
+        (`embed`, `decoder_layers[0].attention_inputs`, `decoder_layers[i].output_then_inputs`, the
+        last layer's `output`, `final_norm`).
         """
         h, rope = self.embed(input_ids, positions)
         captured: dict[int, torch.Tensor] = {}
         want = set(capture_layer_ids)
-        for i, layer in enumerate(self.model.layers):
-            h = layer(h, positions, kv_caches[i], md, backend, rope)
+        layers = self.model.layers
+        qkv = layers[0].attention_inputs(h, positions, rope)
+        for i, layer in enumerate(layers):     # cut at each attention (`output_then_inputs` between two)
+            o = layer.self_attn.core(*qkv, kv_caches[i], md, backend)
+            if i + 1 < len(layers):
+                h, qkv = layer.output_then_inputs(h, o, layers[i + 1], positions, rope)
+            else:
+                h = layer.output(h, o)
             if i in want:
                 captured[i] = h
         return self.final_norm(h), [captured[i] for i in capture_layer_ids]

@@ -5,6 +5,9 @@ A decoder layer is attention between two position-wise regions::
     attention_inputs: rms_norm -> q|k|v GEMM -> RoPE of q and k (one rotation)   -> q, k, v
     output          : o_proj GEMM + residual -> rms_norm -> gate|up GEMM -> silu * up -> down + residual
 
+Between two attentions a model runs one layer's output and the next layer's attention inputs as
+one region (`output_then_inputs`), so the residual add and the next RMSNorm fuse as well.
+
 Eagerly each region is a dozen small kernels (the casts, the rotation's slices and products,
 the residual adds); `torch.compile` (inductor, no CUDA graphs of its own) fuses the pointwise
 work between the GEMMs into a few Triton kernels, and the engine's CUDA graphs (whole-step,
@@ -52,17 +55,32 @@ def layer_output(h: torch.Tensor, o: torch.Tensor, o_w: torch.Tensor, norm_w: to
     return h + F.linear(F.silu(g) * u, down_w)
 
 
+def output_then_inputs(h: torch.Tensor, o: torch.Tensor, o_w: torch.Tensor, norm_w: torch.Tensor, eps: float,
+                       gate_up_w: torch.Tensor, down_w: torch.Tensor, next_norm_w: torch.Tensor, next_eps: float,
+                       qkv_w: torch.Tensor, qkv_b: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                       num_heads: int, num_kv_heads: int, head_dim: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One layer's `layer_output`, then the next layer's `attention_inputs`, as one region: compiled,
+    the last residual add and the next layer's RMSNorm are one kernel. Returns the layer's output
+    h [T, H] and the next layer's roped q [T, Hq, D] (contiguous), k [T, Hkv, D], v [T, Hkv, D]."""
+    h = layer_output(h, o, o_w, norm_w, eps, gate_up_w, down_w)
+    q, k, v = attention_inputs(h, next_norm_w, next_eps, qkv_w, qkv_b, cos, sin, num_heads, num_kv_heads, head_dim)
+    return h, q, k, v
+
+
 @dataclass(frozen=True)
 class LayerRegions:
-    """The two region functions a decoder layer calls (eager, or compiled)."""
+    """The region functions decoder layers call (eager, or compiled): a layer's two halves, and a
+    layer's output joined to the next layer's attention inputs (the span between two attentions)."""
 
     attention_inputs: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     output: Callable[..., torch.Tensor]
+    output_then_inputs: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
     compiled: bool
 
     @staticmethod
     def eager() -> "LayerRegions":
-        return LayerRegions(attention_inputs, layer_output, compiled=False)
+        return LayerRegions(attention_inputs, layer_output, output_then_inputs, compiled=False)
 
     @staticmethod
     def inductor() -> "LayerRegions":
@@ -74,4 +92,4 @@ class LayerRegions:
 @functools.cache
 def _inductor_regions() -> LayerRegions:
     return LayerRegions(torch.compile(attention_inputs, dynamic=True), torch.compile(layer_output, dynamic=True),
-                        compiled=True)
+                        torch.compile(output_then_inputs, dynamic=True), compiled=True)

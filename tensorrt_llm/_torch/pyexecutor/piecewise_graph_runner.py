@@ -9,7 +9,8 @@ packed tokens are padded to a token bucket T and the forward is cut at each atte
 
     piece 0    : embed, rope tables, layer 0 norm + qkv + rope          -> q0 k0 v0
     attention 0: eager, the step's real n tokens only (K/V write + paged attention) -> o[:n]
-    piece i    : layer i-1 o_proj + residual + MLP (+ capture), layer i norm + qkv + rope
+    piece i    : layer i-1 o_proj + residual + MLP (+ capture), layer i norm + qkv + rope (one region:
+                 `output_then_inputs`)
     ...
     piece L    : layer L-1 o_proj + residual + MLP (+ capture), final norm   -> hidden, captured
 
@@ -204,11 +205,13 @@ class PiecewiseGraphRunner:
             h, rope = model.embed(b.input_ids, b.positions)
             return PieceOutputs(h, rope, layers[0].attention_inputs(h, b.positions, rope))
         prev: PieceOutputs = b.pieces[j - 1].outputs
-        h = layers[j - 1].output(prev.h, b.o)
-        captured = prev.captured + ((h,) if j - 1 in self.capture_layer_ids else ())
         if j == len(layers):
+            h = layers[j - 1].output(prev.h, b.o)
+            captured = prev.captured + ((h,) if j - 1 in self.capture_layer_ids else ())
             order = sorted(set(self.capture_layer_ids))
             by_id = dict(zip(order, captured))
             return PieceOutputs(model.final_norm(h), prev.rope, None,
                                 tuple(by_id[i] for i in self.capture_layer_ids))
-        return PieceOutputs(h, prev.rope, layers[j].attention_inputs(h, b.positions, prev.rope), captured)
+        h, qkv = layers[j - 1].output_then_inputs(prev.h, b.o, layers[j], b.positions, prev.rope)
+        captured = prev.captured + ((h,) if j - 1 in self.capture_layer_ids else ())
+        return PieceOutputs(h, prev.rope, qkv, captured)
