@@ -164,6 +164,27 @@ def write_slots(cache_plane: torch.Tensor, values: torch.Tensor, slot_mapping: t
     cache_plane[page, :, off] = vals
 
 
+def joint_kv(k: torch.Tensor, v: torch.Tensor) -> Optional[torch.Tensor]:
+    """k, v [T, H, D] -> a [T, 2H, D] view covering both when, token by token, v's heads follow k's
+    directly in one allocation (the layer regions write them so: `compiled_regions.attention_inputs`);
+    None otherwise. With `joint_planes` one cache write then covers the K and the V plane."""
+    if k.dim() != 3 or k.shape != v.shape or k.dtype != v.dtype or k.stride() != v.stride():
+        return None
+    t, h, d = k.shape
+    if k.stride(2) != 1 or k.stride(1) != d or k.untyped_storage().data_ptr() != v.untyped_storage().data_ptr():
+        return None
+    if v.data_ptr() != k.data_ptr() + h * d * k.element_size() or (t > 1 and k.stride(0) < 2 * h * d):
+        return None
+    return k.as_strided((t, 2 * h, d), (k.stride(0), d, 1))
+
+
+def joint_planes(kv_cache: torch.Tensor) -> torch.Tensor:
+    """A contiguous [num_pages, 2, H, P, D] K/V cache as [num_pages, 1, 2H, P, D]: plane p's head h is
+    head p * H + h, so `joint_kv` rows write both planes at once."""
+    n, planes, h, p, d = kv_cache.shape
+    return kv_cache.view(n, 1, planes * h, p, d)
+
+
 FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 

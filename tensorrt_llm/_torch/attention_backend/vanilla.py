@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .interface import (AttentionBackend, AttentionMetadata, BackendCapabilities,
+from .interface import (AttentionBackend, AttentionMetadata, BackendCapabilities, joint_kv, joint_planes,
                         write_slots)
 
 
@@ -123,8 +123,12 @@ class VanillaAttention(AttentionBackend):
         metadata.extras.pop("vanilla_layout", None)
 
     def forward(self, q, k, v, kv_cache, metadata, scale):
-        write_slots(kv_cache[:, 0], k, metadata.slot_mapping)
-        write_slots(kv_cache[:, 1], v, metadata.slot_mapping)
+        kv = joint_kv(k, v)
+        if kv is not None:      # one write covers both planes
+            write_slots(joint_planes(kv_cache)[:, 0], kv, metadata.slot_mapping)
+        else:
+            write_slots(kv_cache[:, 0], k, metadata.slot_mapping)
+            write_slots(kv_cache[:, 1], v, metadata.slot_mapping)
         return paged_sdpa(q, kv_cache[:, 0], kv_cache[:, 1], metadata, scale)
 
     def forward_mla(self, q, latent, kv_cache, metadata, scale, v_dim):

@@ -35,6 +35,8 @@ def attention_inputs(h: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv_w: t
                      qkv_b: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
                      num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """h [T, H] residual stream -> roped q [T, Hq, D] (contiguous), roped k [T, Hkv, D], v [T, Hkv, D].
+    k and v are the halves of one [T, 2 Hkv, D] buffer, so one cache write covers both
+    (`attention_backend.interface.joint_kv`); compiled, that buffer is written by the RoPE kernel.
 
     qkv_w [(Hq + 2 Hkv) D, H] the fused projection; cos / sin [T, 1, D] from `RotaryEmbedding.cos_sin`
     (half-rotation tables)."""
@@ -42,8 +44,8 @@ def attention_inputs(h: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv_w: t
     qkv = F.linear(rms_norm(h, norm_w, eps), qkv_w, qkv_b)
     nqk = (num_heads + num_kv_heads) * head_dim
     qk = rope_halves(qkv[:, :nqk].view(t, num_heads + num_kv_heads, head_dim).float(), cos, sin).to(h.dtype)
-    v = qkv[:, nqk:].view(t, num_kv_heads, head_dim)
-    return qk[:, :num_heads].contiguous(), qk[:, num_heads:], v
+    kv = torch.cat((qk[:, num_heads:], qkv[:, nqk:].view(t, num_kv_heads, head_dim)), dim=1)
+    return qk[:, :num_heads].contiguous(), kv[:, :num_kv_heads], kv[:, num_kv_heads:]
 
 
 def layer_output(h: torch.Tensor, o: torch.Tensor, o_w: torch.Tensor, norm_w: torch.Tensor, eps: float,
