@@ -109,7 +109,9 @@ class TorchCompileConfig(StrictBaseModel):
     enable_inductor: bool = Field(
         default=True, description="Compile the position-wise halves of every target decoder layer (the "
         "norms, RoPE, SwiGLU and residual adds between the GEMMs) with inductor: a few fused kernels "
-        "instead of ~25 small ones per layer. Costs a one-time compile per process (tens of seconds).")
+        "instead of ~25 small ones per layer; with a DSpark drafter its layers, context K/V (latent) "
+        "projections, context features and greedy draft chain too (capacity report `drafter_regions`). "
+        "Costs a one-time compile per process (tens of seconds).")
 
 
 class TorchLlmArgs(StrictBaseModel):

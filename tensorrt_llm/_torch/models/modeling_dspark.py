@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from ..attention_backend.interface import AttentionBackend, AttentionMetadata, write_slots
+from ..attention_backend.interface import AttentionBackend, AttentionMetadata, joint_kv, joint_planes, write_slots
 from ..modules.attention import Attention
 from ..modules.fp8_block import FP8BlockLinear
 from ..modules.gated_mlp import GatedMLP
@@ -32,6 +32,7 @@ from ..modules.mla import MLAAttention
 from ..modules.rms_norm import RMSNorm
 from ..modules.rotary_embedding import RotaryEmbedding
 from .dspark_config import DSPARK_CONFIG_KEYS, GQA_ARCH, MLA_ARCH, DraftKVLayout, DSparkModelConfig
+from .dspark_regions import DrafterRegions
 from .checkpoint import load_state_dict_strict, read_config, read_safetensors
 from .modeling_llama import LlamaConfig
 
@@ -65,12 +66,37 @@ class DSparkDecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.regions: Optional[DrafterRegions] = None   # set with the fused projections (`use_regions`)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 md: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         """h: [T, hidden] -> [T, hidden]."""
-        h = h + self.self_attn(self.input_layernorm(h), positions, kv_cache, md, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        r = self.regions
+        if r is None:
+            h = h + self.self_attn(self.input_layernorm(h), positions, kv_cache, md, backend)
+            return h + self.mlp(self.post_attention_layernorm(h))
+        n = self.post_attention_layernorm
+        return r.output(h, self.attention(h, positions, kv_cache, md, backend), self.self_attn.o_proj.weight,
+                        n.weight, n.eps, self.mlp._gate_up, self.mlp.down_proj.weight)
+
+    def attention(self, h: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                  md: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        """h: [T, hidden] residual stream -> the heads' outputs [T, Hq * Dv] (before o_proj), the
+        attention inputs through the regions (un-absorbed MLA, the reference, through its module)."""
+        a, r, n = self.self_attn, self.regions, self.input_layernorm
+        cos_t, sin_t = a.rotary.tables(positions.device)
+        if isinstance(a, MLAAttention):
+            if not a.absorb:
+                return a.attend(n(h), positions, kv_cache, md, backend)
+            q_a = (None, None) if a.q_lora_rank is None else (a.q_a_proj.weight, a.q_a_layernorm.weight)
+            q_w = (a.q_proj if a.q_lora_rank is None else a.q_b_proj).weight
+            q, latent = r.mla_attention_inputs(h, n.weight, n.eps, *q_a, q_w, a.kv_a_proj_with_mqa.weight,
+                                               a.kv_a_layernorm.weight, a.w_uk_uv()[0], positions, cos_t, sin_t,
+                                               a.rotary.interleaved, a.kv_lora_rank)
+            return a.attend_absorbed(q, latent, kv_cache, md, backend)
+        q, k, v = r.gqa_attention_inputs(h, n.weight, *a._qkv, a.q_norm.weight, a.k_norm.weight, n.eps, positions,
+                                         cos_t, sin_t, a.rotary.interleaved, a.num_heads, a.num_kv_heads, a.head_dim)
+        return a.core(q, k, v, kv_cache, md, backend)
 
 
 class DSparkForCausalLMBase(nn.Module, ABC):
@@ -92,6 +118,7 @@ class DSparkForCausalLMBase(nn.Module, ABC):
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank) if cfg.markov_rank > 0 else None
+        self.regions: Optional[DrafterRegions] = None   # context features and propose; layers hold theirs
         # Plain tuple attribute: not a submodule, so not in state_dict(), parameters() or .to().
         self._target_refs: Optional[tuple[nn.Embedding, nn.Linear]] = None
 
@@ -101,9 +128,9 @@ class DSparkForCausalLMBase(nn.Module, ABC):
         """One layer's attention module (forward(x, positions, kv_cache, md, backend))."""
 
     @abstractmethod
-    def _context_planes(self, attn: nn.Module, features: torch.Tensor,
+    def _context_planes(self, layer: DSparkDecoderLayer, features: torch.Tensor,
                         positions: torch.Tensor) -> list[torch.Tensor]:
-        """features [N, H] -> one [N, heads, head_dim] tensor per pool plane."""
+        """features [N, H] -> one [N, heads, head_dim] tensor per pool plane of `layer`."""
 
     @abstractmethod
     def kv_cache_layout(self) -> DraftKVLayout:
@@ -114,7 +141,8 @@ class DSparkForCausalLMBase(nn.Module, ABC):
         """Once after the weights are loaded and placed, before any graph is captured: MLA layers
         keep their per-head W_UK / W_UV contiguous (the absorbed attention reads them every step),
         and with `quant_config` the projections (fc and every layer's linear layers, except MLA's
-        kv_b_proj, which the absorbed path reads as W_UK / W_UV) become FP8 block-scaled."""
+        kv_b_proj, which the absorbed path reads as W_UK / W_UV) become FP8 block-scaled; then
+        `fuse_projections` (the eager regions)."""
         qc = self.config.quant_config
         for layer in self.layers:
             if isinstance(layer.self_attn, MLAAttention):
@@ -126,6 +154,45 @@ class DSparkForCausalLMBase(nn.Module, ABC):
                             setattr(parent, name, FP8BlockLinear.from_linear(child, qc))
         if qc is not None:
             self.fc = FP8BlockLinear.from_linear(self.fc, qc)
+        self.fuse_projections()
+
+    def fuse_projections(self) -> None:
+        """Inference-time GEMM fusion (GQA q|k|v, gate|up; the parameters become views, the state
+        dict keeps its keys), then the eager regions (`use_regions` may give compiled ones); call after
+        the final `.to(device, dtype)`. FP8 block-scaled projections are not fused: with quant_config
+        fc and the layers keep their modules."""
+        if self.config.quant_config is None:
+            for layer in self.layers:
+                if isinstance(layer.self_attn, Attention):
+                    layer.self_attn.fuse_projections()
+                layer.mlp.fuse_projections()
+        self.use_regions(DrafterRegions.eager())
+
+    def use_regions(self, regions: DrafterRegions) -> None:
+        """Run the drafter's position-wise work through `regions` (e.g. compiled by inductor): the
+        context features, every layer's context K/V (latent), attention inputs and output, and the
+        greedy `propose`. Needs the fused projections (`fuse_projections`). With FP8 block-scaled
+        projections (quant_config) fc and the layers keep their modules; only `propose` takes them."""
+        quantized = self.config.quant_config is not None
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn
+            gqa_unfused = isinstance(a, Attention) and (a._qkv is None or a.q_norm is None)
+            if not quantized and (layer.mlp._gate_up is None or gqa_unfused):
+                raise ValueError(f"layer {i}: drafter regions need fused q|k|v (with q/k norms) and gate|up "
+                                 "projections (fuse_projections)")
+        self.regions = regions
+        for layer in self.layers:
+            layer.regions = None if quantized else regions
+
+    def regions_summary(self) -> str:
+        """What the drafter runs: "inductor" | "eager" (every region), "modules" (no regions), or the
+        regions' kind with the parts that keep their modules."""
+        if self.regions is None:
+            return "modules"
+        kind = "inductor" if self.regions.compiled else "eager"
+        if self.config.quant_config is not None:
+            return f"{kind} (propose only: fc and the layers run their FP8 block-scaled modules)"
+        return kind
 
     # ---- target binding -----------------------------------------------------------------
     def bind_target(self, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
@@ -147,6 +214,9 @@ class DSparkForCausalLMBase(nn.Module, ABC):
         if target_hidden.shape[-1] != self.config.fc_in_features:
             raise ValueError(f"target hidden width {target_hidden.shape[-1]} != "
                              f"{len(self.config.target_layer_ids)} x {self.config.num_target_hidden}")
+        n = self.hidden_norm
+        if self.regions is not None and isinstance(self.fc, nn.Linear):
+            return self.regions.features(target_hidden, self.fc.weight, n.weight, n.eps)
         return self.hidden_norm(self.fc(target_hidden.to(self.hidden_norm.weight.dtype)))
 
     def write_context(self, features: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
@@ -157,11 +227,17 @@ class DSparkForCausalLMBase(nn.Module, ABC):
         features [N, H]; positions [N] absolute; slot_mapping [N] int64 (-1 skipped);
         kv_caches: one [num_pages, planes, heads, P, D] tensor per layer. The pool layout
         is the interface's, shared by every backend, so `backend` is not consulted.
-        slots_valid: every slot is >= 0 (no host sync: the CUDA-graph draft step).
+        slots_valid: every slot is >= 0 (no host sync: the CUDA-graph draft step). K and V that are
+        one buffer's halves (the regions') go in with one write.
         """
         self._check_caches(kv_caches)
         for layer, cache in zip(self.layers, kv_caches):
-            for plane, values in enumerate(self._context_planes(layer.self_attn, features, positions)):
+            planes = self._context_planes(layer, features, positions)
+            kv = joint_kv(*planes) if len(planes) == 2 else None
+            if kv is not None:
+                write_slots(joint_planes(cache)[:, 0], kv, slot_mapping, all_valid=slots_valid)
+                continue
+            for plane, values in enumerate(planes):
                 write_slots(cache[:, plane], values, slot_mapping, all_valid=slots_valid)
 
     def forward_block(self, block_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
@@ -200,6 +276,7 @@ class DSparkForCausalLMBase(nn.Module, ABC):
         anchor_ids [R] (the block's first token); pick: logits [R, V] -> ids [R] (argmax,
         or a sampler at T > 0). Returns draft_ids [R, num_drafts] int64 and the (biased)
         draft_logits [R, num_drafts, V] float32. Slots used: 0..n-1 with shift_label, else 1..n.
+        The greedy pick runs through the regions (`greedy_drafts`) when the drafter has them.
         """
         cfg = self.config
         r, s = anchor_ids.shape[0], cfg.block_size
@@ -208,6 +285,12 @@ class DSparkForCausalLMBase(nn.Module, ABC):
         if not 1 <= num_drafts <= cfg.num_drafts:
             raise ValueError(f"num_drafts {num_drafts} outside [1, {cfg.num_drafts}]")
         first = 0 if cfg.shift_label else 1
+        if pick is greedy_pick and self.regions is not None:
+            _, lm_head = self._target()
+            mh = self.markov_head
+            w1, w2 = (None, None) if mh is None else (mh.w1.weight, mh.w2.weight)
+            return self.regions.greedy_drafts(hidden, anchor_ids, lm_head.weight, lm_head.bias, w1, w2, s, first,
+                                              num_drafts)
         h = hidden.reshape(r, s, -1)[:, first:first + num_drafts]
         logits = self.draft_logits(h.reshape(r * num_drafts, -1)).view(r, num_drafts, -1)
         prev, ids, out = anchor_ids, [], []
@@ -316,10 +399,14 @@ class GQADSparkForCausalLM(DSparkForCausalLMBase):
         return Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                          self.rotary, bias=cfg.attention_bias, qk_norm=True, rms_norm_eps=cfg.rms_norm_eps)
 
-    def _context_planes(self, attn: nn.Module, features: torch.Tensor,
+    def _context_planes(self, layer: DSparkDecoderLayer, features: torch.Tensor,
                         positions: torch.Tensor) -> list[torch.Tensor]:
-        k, v = attn.project_kv(features, positions)         # [N, Hkv, D] each
-        return [k, v]
+        a, r = layer.self_attn, layer.regions
+        if r is None:
+            return list(a.project_kv(features, positions))      # [N, Hkv, D] each
+        return list(r.gqa_project_kv(features, *a.kv_weights(), a.k_norm.weight, a.k_norm.eps, positions,
+                                     *a.rotary.tables(positions.device), a.rotary.interleaved, a.num_kv_heads,
+                                     a.head_dim))
 
     def kv_cache_layout(self) -> DraftKVLayout:
         c = self.config
@@ -341,9 +428,15 @@ class MLADSparkForCausalLM(DSparkForCausalLMBase):
                             rms_norm_eps=cfg.rms_norm_eps, rope_scaling=cfg.rope_scaling,
                             absorb=self._absorb)
 
-    def _context_planes(self, attn: nn.Module, features: torch.Tensor,
+    def _context_planes(self, layer: DSparkDecoderLayer, features: torch.Tensor,
                         positions: torch.Tensor) -> list[torch.Tensor]:
-        return [attn.project_latent(features, positions)[:, None, :]]    # [N, 1, R + rope]
+        a, r = layer.self_attn, layer.regions
+        if r is None:
+            latent = a.project_latent(features, positions)
+        else:
+            latent = r.mla_latent(features, a.kv_a_proj_with_mqa.weight, a.kv_a_layernorm.weight, a.kv_a_layernorm.eps,
+                                  positions, *a.rotary.tables(positions.device), a.rotary.interleaved, a.kv_lora_rank)
+        return [latent[:, None, :]]                             # [N, 1, R + rope]
 
     def kv_cache_layout(self) -> DraftKVLayout:
         c = self.config
@@ -377,8 +470,8 @@ def load_drafter(folder: str | Path, target_config: LlamaConfig, dtype: torch.dt
     DSparkDecodingConfig); None values are skipped. The caller binds the target afterwards.
     max_positions: rope positions the engine may reach (the target's table: max_seq_len plus the
     draft lookahead), when more than either config's max_position_embeddings.
-    for_inference: run `post_load_weights` (derived weights, FP8 quantization per quant_config);
-    False keeps exactly the checkpoint's parameters (a training init).
+    for_inference: run `post_load_weights` (derived weights, FP8 quantization per quant_config, fused
+    projections and the eager regions); False keeps exactly the checkpoint's parameters (a training init).
     """
     source = str(Path(folder) / "config.json")
     cfg_dict = read_config(folder)

@@ -33,9 +33,8 @@ class Attention(nn.Module):
         self._qkv: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None
 
     def fuse_projections(self) -> None:
-        """One GEMM for q, k and v; the parameters become views of the fused weight."""
-        if self.q_norm is not None:
-            return
+        """One GEMM for q, k and v (its k|v rows serve `project_kv`); the parameters become views of
+        the fused weight."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
         w = torch.cat([p.weight.data for p in projs], 0)
         b = torch.cat([p.bias.data for p in projs], 0) if self.q_proj.bias is not None else None
@@ -48,11 +47,24 @@ class Attention(nn.Module):
             o += n
         self._qkv = (w, b)
 
+    def kv_weights(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The k|v rows of the fused projection (`fuse_projections`): weight [2 Hkv D, hidden], bias."""
+        if self._qkv is None:
+            raise ValueError("kv_weights needs the fused q|k|v projection (fuse_projections)")
+        w, b = self._qkv
+        nq = self.num_heads * self.head_dim
+        return w[nq:], None if b is None else b[nq:]
+
     def project_kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> roped k [T, Hkv, D], v [T, Hkv, D]."""
         t = x.shape[0]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self._qkv is not None:
+            kv_w, kv_b = self.kv_weights()
+            kv = F.linear(x, kv_w, kv_b)
+            k, v = kv.view(t, 2 * self.num_kv_heads, self.head_dim).split(self.num_kv_heads, dim=1)
+        else:
+            k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+            v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if self.k_norm is not None:
             k = self.k_norm(k)
         return self.rotary(k, positions), v
@@ -69,8 +81,11 @@ class Attention(nn.Module):
             nq, nk, hq = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_heads
             qkv = F.linear(x, *self._qkv)
             cs = rope if rope is not None else self.rotary.cos_sin(positions)
+            qk = qkv[:, :nq + nk].view(t, hq + self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:      # per-head norms, before the rotation
+                qk = torch.cat((self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])), dim=1)
             # q and k share positions: one RoPE call over [T, Hq + Hkv, D]
-            qk = self.rotary.apply(qkv[:, :nq + nk].view(t, hq + self.num_kv_heads, self.head_dim), *cs)
+            qk = self.rotary.apply(qk, *cs)
             v = qkv[:, nq + nk:].view(t, self.num_kv_heads, self.head_dim)
             return qk[:, :hq].contiguous(), qk[:, hq:], v
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)

@@ -116,25 +116,36 @@ class MLAAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 md: AttentionMetadata, backend: AttentionBackend,
                 latent: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden].
+        """x: [T, hidden] -> [T, hidden] (`attend`, then o_proj)."""
+        return self.o_proj(self.attend(x, positions, kv_cache, md, backend, latent))
+
+    def attend(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+               md: AttentionMetadata, backend: AttentionBackend,
+               latent: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x: [T, hidden] -> the heads' outputs [T, H * v_head_dim], before o_proj.
 
         kv_cache: [num_pages, 1, 1, P, kv_lora_rank + rope]. The new tokens' latents
         (`latent` [T, Dl], or projected from x) are written at md.slot_mapping first.
         """
-        t = x.shape[0]
         q_nope, q_pe = self.project_q(x, positions)
         if latent is None:
             latent = self.project_latent(x, positions)
-        w_uk, w_uv = self.w_uk_uv()
         if self.absorb:
-            q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)                 # [T, H, R]
+            q_lat = torch.einsum("thn,hnr->thr", q_nope, self.w_uk_uv()[0])    # [T, H, R]
             q = torch.cat((q_lat, q_pe.to(q_lat.dtype)), dim=-1)               # [T, H, R + rope]
-            o_lat = backend.forward_mla(q, latent, kv_cache, md, self.scale, self.kv_lora_rank)
-            o = torch.einsum("thr,hvr->thv", o_lat.to(w_uv.dtype), w_uv)      # [T, H, v]
-        else:
-            write_slots(kv_cache[:, 0], latent[:, None, :], md.slot_mapping)
-            o = self._attend_unabsorbed(q_nope, q_pe, kv_cache, md)
-        return self.o_proj(o.reshape(t, self.num_heads * self.v_head_dim))
+            return self.attend_absorbed(q, latent, kv_cache, md, backend)
+        write_slots(kv_cache[:, 0], latent[:, None, :], md.slot_mapping)
+        o = self._attend_unabsorbed(q_nope, q_pe, kv_cache, md)
+        return o.reshape(x.shape[0], self.num_heads * self.v_head_dim)
+
+    def attend_absorbed(self, q: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
+                        backend: AttentionBackend) -> torch.Tensor:
+        """The absorbed path from latent space: q [T, H, R + rope] (q_nope W_UK | roped q_pe), the new
+        tokens' latents [T, R + rope] (written first) -> [T, H * v_head_dim], before o_proj."""
+        o_lat = backend.forward_mla(q, latent, kv_cache, md, self.scale, self.kv_lora_rank)
+        w_uv = self.w_uk_uv()[1]
+        o = torch.einsum("thr,hvr->thv", o_lat.to(w_uv.dtype), w_uv)          # [T, H, v]
+        return o.reshape(q.shape[0], self.num_heads * self.v_head_dim)
 
     def _attend_unabsorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                            md: AttentionMetadata) -> torch.Tensor:

@@ -77,6 +77,15 @@ def rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return torch.addcmul(x * cos, swapped, sin)
 
 
+def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """RoPE of x [T, H, d] (float32) in either layout, with the tables of `RotaryEmbedding.cos_sin`
+    (interleaved: half-width [T, 1, d/2]; halves: the full-width signed ones); float32 out."""
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    return rope_halves(x, cos, sin)
+
+
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to [T, H, rot_dim] tensors at absolute positions [T]."""
 
@@ -101,9 +110,16 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> (cos, sin) float32, gathered once per forward: [T, 1, rot_dim/2]
         (interleaved) or the full-width signed tables [T, 1, rot_dim] (halves)."""
-        if self._cos.device != positions.device:
-            self._cos, self._sin = self._cos.to(positions.device), self._sin.to(positions.device)
-        return self._cos[positions][:, None, :], self._sin[positions][:, None, :]
+        cos, sin = self.tables(positions.device)
+        return cos[positions][:, None, :], sin[positions][:, None, :]
+
+    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole (cos, sin) tables on `device` (moved there once), float32: [max_positions,
+        rot_dim/2] (interleaved) or the full-width signed [max_positions, rot_dim] (halves). Row p is
+        what `cos_sin` gathers for position p."""
+        if self._cos.device != device:
+            self._cos, self._sin = self._cos.to(device), self._sin.to(device)
+        return self._cos, self._sin
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [T, H, rot_dim]; positions: [T] int -> rotated x (same dtype)."""
@@ -114,9 +130,4 @@ class RotaryEmbedding(nn.Module):
 
         Several tensors sharing positions (q and k) can go through one call stacked on H.
         """
-        dtype, x = x.dtype, x.float()
-        if self.interleaved:
-            x1, x2 = x[..., 0::2], x[..., 1::2]
-            o1, o2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
-            return torch.stack((o1, o2), dim=-1).flatten(-2).to(dtype)
-        return rope_halves(x, cos, sin).to(dtype)
+        return rope_rotate(x.float(), cos, sin, self.interleaved).to(x.dtype)

@@ -69,6 +69,9 @@ def create_py_executor(args: TorchLlmArgs, tokenizer: TokenizerWrapper) -> Execu
     if args.speculative_config is not None:
         from ..speculative.dspark_worker import create_dspark_worker
         drafter = create_dspark_worker(args.speculative_config, model, dtype, device)
+        if tcc is not None and tcc.enable_inductor:
+            from ..models.dspark_regions import DrafterRegions
+            drafter.drafter.use_regions(DrafterRegions.inductor())
         specs.append(drafter.kv_cache_spec)
         salt += f"|draft:{drafter.identity}"
     p = kvc.tokens_per_block
@@ -107,6 +110,7 @@ def create_py_executor(args: TorchLlmArgs, tokenizer: TokenizerWrapper) -> Execu
         if one_graph["enabled"] and engine.spec_step is None:
             one_graph = {"enabled": False, "reason": "its capture failed at startup (logged)"}
         report["one_graph_step"] = one_graph
+        report["drafter_regions"] = drafter.drafter.regions_summary()
     report.update({
         "device": str(device), "dtype": str(dtype).replace("torch.", ""), "max_seq_len": max_seq_len,
         "layer_regions": "inductor" if tcc is not None and tcc.enable_inductor else "eager",

@@ -1,0 +1,158 @@
+"""The DSpark drafter's position-wise work as pure functions, optionally compiled by inductor.
+
+The drafter's device step (`DraftGraphRunner.draft_rows`) is, per region::
+
+    features        : fc GEMM -> hidden_norm                                     (context_features)
+    gqa_project_kv  : k|v GEMM -> k_norm -> RoPE of k                              (write_context, per layer)
+    mla_latent      : kv_a GEMM -> kv_a_layernorm | RoPE of k_pe                    (write_context, per layer)
+    gqa_attention_inputs: input_layernorm -> q|k|v GEMM -> q_norm, k_norm -> RoPE  (forward_block, per layer)
+    mla_attention_inputs: input_layernorm -> q (q_a, norm, q_b) | latent -> RoPE -> q_nope W_UK
+    output          : o_proj + residual -> norm -> gate|up SwiGLU -> down + residual (the target's region)
+    greedy_drafts   : lm_head GEMM -> per draft: + Markov bias of the previous pick -> argmax (propose)
+
+with attention (the backend) between the inputs and the output of a layer. Eagerly a region is up
+to ~20 small kernels (the casts, norms, the rotation's slices and products, residual adds, a Markov
+bias and argmax per draft); inductor fuses the work between the GEMMs into a few. The RoPE
+tables go in whole with the positions, so their gather fuses into the rotation. Every weight is an
+argument: one compiled graph serves all layers (guards are shapes and dtypes); token counts are
+dynamic. `eps` is the drafter's rms_norm_eps, which every norm of a drafter layer has.
+
+`DrafterRegions.eager()` runs the same functions uncompiled: what a loaded drafter runs by default
+(set with its fused projections), bitwise its module path, and the reference of the compiled one.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..modules.compiled_regions import LayerRegions, layer_output
+from ..modules.rms_norm import rms_norm
+from ..modules.rotary_embedding import rope_rotate
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor,
+          interleaved: bool) -> torch.Tensor:
+    """x [T, H, d] rotated at positions [T] (tables from `RotaryEmbedding.tables`), x's dtype."""
+    return rope_rotate(x.float(), cos_t[positions][:, None, :], sin_t[positions][:, None, :], interleaved).to(x.dtype)
+
+
+def features(target_hidden: torch.Tensor, fc_w: torch.Tensor, norm_w: torch.Tensor, eps: float) -> torch.Tensor:
+    """target_hidden [N, n * H_target] -> context features [N, H] (fc_w [H, n * H_target])."""
+    return rms_norm(F.linear(target_hidden.to(norm_w.dtype), fc_w), norm_w, eps)
+
+
+def gqa_project_kv(x: torch.Tensor, kv_w: torch.Tensor, kv_b: Optional[torch.Tensor], k_norm_w: torch.Tensor,
+                   eps: float, positions: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor, interleaved: bool,
+                   num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] -> roped k [T, Hkv, D] (k_norm first), v [T, Hkv, D], the halves of one buffer (one
+    cache write covers both: `attention_backend.interface.joint_kv`); kv_w [2 Hkv D, H] the k|v rows
+    of the fused projection (`Attention.kv_weights`)."""
+    t = x.shape[0]
+    k, v = F.linear(x, kv_w, kv_b).view(t, 2 * num_kv_heads, head_dim).split(num_kv_heads, dim=1)
+    kv = torch.cat((_rope(rms_norm(k, k_norm_w, eps), positions, cos_t, sin_t, interleaved), v), dim=1)
+    return kv[:, :num_kv_heads], kv[:, num_kv_heads:]
+
+
+def gqa_attention_inputs(h: torch.Tensor, norm_w: torch.Tensor, qkv_w: torch.Tensor, qkv_b: Optional[torch.Tensor],
+                         q_norm_w: torch.Tensor, k_norm_w: torch.Tensor, eps: float, positions: torch.Tensor,
+                         cos_t: torch.Tensor, sin_t: torch.Tensor, interleaved: bool, num_heads: int,
+                         num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h [T, H] residual stream -> roped q [T, Hq, D] (contiguous), roped k [T, Hkv, D], v [T, Hkv, D]
+    (the halves of one buffer, as `gqa_project_kv`'s): input_layernorm, the fused q|k|v GEMM
+    (qkv_w [(Hq + 2 Hkv) D, H]), per-head q/k norms, one RoPE."""
+    t = h.shape[0]
+    qkv = F.linear(rms_norm(h, norm_w, eps), qkv_w, qkv_b)
+    nqk = (num_heads + num_kv_heads) * head_dim
+    qk = qkv[:, :nqk].view(t, num_heads + num_kv_heads, head_dim)
+    qk = torch.cat((rms_norm(qk[:, :num_heads], q_norm_w, eps), rms_norm(qk[:, num_heads:], k_norm_w, eps)), dim=1)
+    qk = _rope(qk, positions, cos_t, sin_t, interleaved)
+    kv = torch.cat((qk[:, num_heads:], qkv[:, nqk:].view(t, num_kv_heads, head_dim)), dim=1)
+    return qk[:, :num_heads].contiguous(), kv[:, :num_kv_heads], kv[:, num_kv_heads:]
+
+
+def mla_latent(x: torch.Tensor, kv_a_w: torch.Tensor, kv_norm_w: torch.Tensor, eps: float, positions: torch.Tensor,
+               cos_t: torch.Tensor, sin_t: torch.Tensor, interleaved: bool, kv_lora_rank: int) -> torch.Tensor:
+    """x [T, H] -> latent [T, R + rope] = [kv_a_layernorm(c_kv) | RoPE(k_pe)] (kv_a_w [R + rope, H])."""
+    ckv, k_pe = F.linear(x, kv_a_w).split([kv_lora_rank, kv_a_w.shape[0] - kv_lora_rank], dim=-1)
+    k_pe = _rope(k_pe[:, None, :], positions, cos_t, sin_t, interleaved)[:, 0]
+    return torch.cat((rms_norm(ckv, kv_norm_w, eps), k_pe), dim=-1)
+
+
+def mla_attention_inputs(h: torch.Tensor, norm_w: torch.Tensor, eps: float, q_a_w: Optional[torch.Tensor],
+                         q_a_norm_w: Optional[torch.Tensor], q_w: torch.Tensor, kv_a_w: torch.Tensor,
+                         kv_norm_w: torch.Tensor, w_uk: torch.Tensor, positions: torch.Tensor, cos_t: torch.Tensor,
+                         sin_t: torch.Tensor, interleaved: bool, kv_lora_rank: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [T, H] residual stream -> (absorbed q [T, Hq, R + rope], latent [T, R + rope]) of an MLA layer.
+
+    q_w: q_proj [Hq (nope + rope), H], or q_b_proj after q_a_w / q_a_norm_w (q_lora; both None
+    without); w_uk [Hq, nope, R] (`MLAAttention.w_uk_uv`)."""
+    t, x = h.shape[0], rms_norm(h, norm_w, eps)
+    qx = x if q_a_w is None else rms_norm(F.linear(x, q_a_w), q_a_norm_w, eps)
+    heads, nope = w_uk.shape[0], w_uk.shape[1]
+    q = F.linear(qx, q_w).view(t, heads, -1)
+    q_nope, q_pe = q.split([nope, q.shape[-1] - nope], dim=-1)
+    q_pe = _rope(q_pe, positions, cos_t, sin_t, interleaved)
+    q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+    latent = mla_latent(x, kv_a_w, kv_norm_w, eps, positions, cos_t, sin_t, interleaved, kv_lora_rank)
+    return torch.cat((q_lat, q_pe.to(q_lat.dtype)), dim=-1), latent
+
+
+def greedy_drafts(hidden: torch.Tensor, anchor_ids: torch.Tensor, lm_w: torch.Tensor, lm_b: Optional[torch.Tensor],
+                  markov_w1: Optional[torch.Tensor], markov_w2: Optional[torch.Tensor], block_size: int, first: int,
+                  num_drafts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The greedy `propose`: hidden [R * S, H] (S = block_size), anchor_ids [R] -> draft ids [R, n]
+    int64 and biased logits [R, n, V] float32 (n = num_drafts, slots first..first+n-1).
+
+    Draft j is the argmax of lm_head(slot j) + Markov bias of draft j-1 (the anchor for j = 0);
+    markov_w1 [V, r] / markov_w2 [V, r] (both None without a Markov head)."""
+    r = anchor_ids.shape[0]
+    h = hidden.reshape(r, block_size, -1)[:, first:first + num_drafts].reshape(r * num_drafts, -1)
+    logits = F.linear(h.to(lm_w.dtype), lm_w, lm_b).float().view(r, num_drafts, -1)
+    prev, ids, out = anchor_ids, [], []
+    for j in range(num_drafts):
+        lj = logits[:, j]
+        if markov_w1 is not None:
+            lj = lj + F.linear(F.embedding(prev, markov_w1), markov_w2).float()
+        prev = lj.argmax(-1)
+        ids.append(prev)
+        out.append(lj)
+    return torch.stack(ids, dim=1), torch.stack(out, dim=1)
+
+
+@dataclass(frozen=True)
+class DrafterRegions:
+    """The region functions a drafter calls (eager, or compiled)."""
+
+    features: Callable[..., torch.Tensor]
+    gqa_project_kv: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    gqa_attention_inputs: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    mla_latent: Callable[..., torch.Tensor]
+    mla_attention_inputs: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    output: Callable[..., torch.Tensor]
+    greedy_drafts: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    compiled: bool
+
+    @staticmethod
+    def eager() -> "DrafterRegions":
+        return DrafterRegions(features, gqa_project_kv, gqa_attention_inputs, mla_latent, mla_attention_inputs,
+                              layer_output, greedy_drafts, compiled=False)
+
+    @staticmethod
+    def inductor() -> "DrafterRegions":
+        """Every region compiled by inductor (dynamic token count), once per process; the layer
+        output is the target's compiled region (`LayerRegions.inductor`)."""
+        return _inductor_regions()
+
+
+@functools.cache
+def _inductor_regions() -> DrafterRegions:
+    def compiled(fn: Callable) -> Callable:
+        return torch.compile(fn, dynamic=True)
+    return DrafterRegions(compiled(features), compiled(gqa_project_kv), compiled(gqa_attention_inputs),
+                          compiled(mla_latent), compiled(mla_attention_inputs), LayerRegions.inductor().output,
+                          compiled(greedy_drafts), compiled=True)

@@ -1,0 +1,246 @@
+"""DSpark drafter regions (`dspark_regions`): the eager functions are the drafter's own path, and the
+inductor-compiled ones agree with them, through the device draft step (`DraftGraphRunner`: context
+features -> draft context of every layer -> block through the layers -> greedy Markov drafts).
+
+CPU (float32, tiny GQA and MLA drafters with weights at 1 / sqrt(fan_in) and random norm weights,
+VANILLA attention, the step run directly): the eager regions (what a loaded drafter runs) give
+bitwise the module path's draft ids, block hidden and draft-pool writes, and the unfused drafter's
+within 1e-5 (also with interleaved RoPE, and MLA with q_lora; GQA's K and V are one buffer's
+halves, one cache write for both); the inductor regions give the same draft ids, and hidden / pool
+writes / propose logits within 1e-4 relative (max error over max value), while the compiled drafter
+with one weight x3 (negative control) lands beyond 1e-2 (measured: ~0.6).
+`LLM(torch_compile_config=...)` with a DSpark drafter reports the drafter's regions and its greedy
+output equals no-spec token for token; an FP8 drafter keeps its modules except `propose`; an
+unfused drafter is refused.
+GPU (bf16, TRITON attention): the step with the inductor regions captured in a CUDA graph vs run
+directly with the eager regions: the pool writes within 2e-2 (norm-relative; bf16 on the CPU
+measured 0.004) and the control beyond 0.08 (CPU bf16: 0.16-0.17); each row's drafts equal up to a
+first divergence that is a near tie of the eager logits (within 5% of a std).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import pytest
+import torch
+from torch import nn
+
+from tensorrt_llm import SamplingParams
+from tensorrt_llm._torch.attention_backend.interface import AttentionBackend, joint_kv
+from tensorrt_llm._torch.attention_backend.vanilla import VanillaAttention
+from tensorrt_llm._torch.models.dspark_regions import DrafterRegions
+from tensorrt_llm._torch.models.modeling_dspark import DSparkForCausalLMBase
+from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
+from tensorrt_llm._torch.pyexecutor.kv_cache.kv_cache_spec import KVCacheSpec
+from tensorrt_llm._torch.pyexecutor.kv_cache.resource_manager import KVCacheManager
+from tensorrt_llm._torch.runtime.llm_request import LlmRequest, RequestState
+from tensorrt_llm._torch.runtime.step import VerifiedSegment
+from tensorrt_llm._torch.speculative.draft_graph_runner import DraftGraphRunner
+from tensorrt_llm._torch.speculative.dspark_worker import draft_kv_cache_spec
+
+from tests.unittest._torch.pyexecutor.spec_runs import dspark_spec
+
+P, Q, S = 16, 5, 4            # page, verify rows (K + 1 with K = 4 drafts, shift_label), block
+# per request: (first verified position, committed tokens); 3 requests, so that no token count equals
+# another dimension (dynamo's duck sizing would specialize the first trace to it)
+CASES = [(20, 2), (8, 5), (30, 1)]
+VOCAB, HIDDEN = 512, 64
+CPU = torch.device("cpu")
+QUANT = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"}
+
+
+def _target_config() -> LlamaConfig:
+    """The tiny Llama's shape (conftest), so that the LLM test reuses the compiled traces (dynamo
+    guards on eps and on parameter shapes)."""
+    return LlamaConfig("LlamaForCausalLM", VOCAB, HIDDEN, 2 * HIDDEN, 3, 4, 2, HIDDEN // 4, 1e-5, 1000.0, None,
+                       512, True, False, 1, 2)
+
+
+def _drafter(kind: str, device: torch.device, dtype: torch.dtype, fused: bool = True,
+             **overrides) -> DSparkForCausalLMBase:
+    """A loaded drafter (post_load_weights: fused projections, the eager regions) bound to a random
+    embedding / lm_head. Weights at 1 / sqrt(fan_in) and norm weights around 1 make the drafts
+    depend on context and anchor, and every weight a region reads matter."""
+    d = DSparkForCausalLMBase.random_init(kind, _target_config(), seed=2, block_size=S, markov_rank=4, **overrides)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g) if name.endswith("norm.weight")
+                    else torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+        embed, head = nn.Embedding(VOCAB, HIDDEN), nn.Linear(HIDDEN, VOCAB, bias=False)
+        embed.weight.copy_(torch.randn(VOCAB, HIDDEN, generator=g))
+        head.weight.copy_(torch.randn(VOCAB, HIDDEN, generator=g) * HIDDEN ** -0.5)
+    d = d.to(device=device, dtype=dtype)
+    if fused:
+        d.post_load_weights()
+    d.bind_target(embed.to(device=device, dtype=dtype), head.to(device=device, dtype=dtype))
+    return d
+
+
+def _module_path(d: DSparkForCausalLMBase) -> None:
+    d.regions = None
+    for layer in d.layers:
+        layer.regions = None
+
+
+def _perturbed(d: DSparkForCausalLMBase) -> None:
+    with torch.no_grad():
+        d.layers[0].mlp.down_proj.weight.mul_(3.0)
+
+
+def _req(rid: int, start: int, n: int) -> LlmRequest:
+    """A greedy generating request that committed n tokens from `start`."""
+    toks = [3 + (7 * rid + i) % (VOCAB - 4) for i in range(start + n + 1)]
+    req = LlmRequest(rid, toks[:6], SamplingParams(max_tokens=64, ignore_eos=True))
+    req.output_token_ids = toks[6:]
+    req.num_computed = start + n
+    req.state = RequestState.GENERATION
+    return req
+
+
+def _draft_step(d: DSparkForCausalLMBase, backend: AttentionBackend, capture: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """One device draft step over CASES on a fresh pool (the same random earlier context every call) ->
+    (rows [B, 2 + K] int64 [committed | anchor, drafts], what it wrote into the draft pool (new - old,
+    float32), the block hidden [B * S, H] (None when captured: a graph's intermediate))."""
+    dev, dtype = d.norm.weight.device, d.norm.weight.dtype
+    kv = KVCacheManager([KVCacheSpec("target", "gqa", 1, 2, 1, 16, dtype), draft_kv_cache_spec(d, dtype)], 24, P,
+                        128, dev)
+    g = torch.Generator().manual_seed(1)
+    for cache in kv.layer_caches("draft"):
+        cache.copy_(torch.randn(cache.shape, generator=g))
+    before = kv.pools["draft"].to(torch.float32, copy=True)
+    reqs = [_req(rid, start, n) for rid, (start, n) in enumerate(CASES)]
+    for r in reqs:
+        kv.add_sequence(r.request_id, [1], 128)
+        kv.ensure_capacity(r.request_id, 48)
+    items = [VerifiedSegment(r, j * Q, start, Q, j) for j, (r, (start, _)) in enumerate(zip(reqs, CASES))]
+    verified = torch.tensor([[r.token_at(start + 1 + i) for i in range(n)] + [-1] * (Q - n)
+                             for r, (start, n) in zip(reqs, CASES)], device=dev)
+    width = d.config.fc_in_features
+    captured = torch.randn(len(CASES) * Q, width, generator=g).to(device=dev, dtype=dtype)
+    runner = DraftGraphRunner(d, kv, backend, kv.layer_caches("draft"), dev, len(CASES), verify_widths=[Q],
+                              num_drafts=Q - 1, capture=capture)
+    hidden: list[torch.Tensor] = []
+    forward_block = d.forward_block
+
+    def spy(*args):
+        hidden.append(forward_block(*args))
+        return hidden[-1]
+    d.forward_block = spy
+    try:
+        ahead = runner.launch(items, [Q] * len(CASES), verified, captured)
+    finally:
+        del d.forward_block
+    assert ahead is not None and runner.graphs.num_replays == 1
+    return ahead.tokens.device.clone(), kv.pools["draft"].float() - before, None if capture else hidden[0]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+def _norm_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def _diverge_only_at_near_ties(got: torch.Tensor, want: torch.Tensor, logits: torch.Tensor, tie: float) -> None:
+    """Draft ids [R, K] of two paths agree in each row up to its first divergence, and there the
+    reference's logits [R, K, V] of the two picks lie within `tie` of a std (a flipped near tie;
+    the later drafts follow other Markov context)."""
+    for b in range(got.shape[0]):
+        j = next((j for j in range(got.shape[1]) if got[b, j] != want[b, j]), None)
+        if j is not None:
+            row = logits[b, j]
+            gap = float((row[got[b, j]] - row[want[b, j]]).abs())
+            assert gap < tie * float(row.std()), f"row {b} diverged at draft {j}: logit gap {gap:.4f}"
+
+
+@pytest.mark.parametrize("kind,variant", [("gqa", {}), ("mla", {}), ("gqa", {"rope_interleave": True}),
+                                          ("mla", {"q_lora_rank": 24, "rope_interleave": True})])
+def test_eager_regions_are_the_module_path(kind, variant):
+    d = _drafter(kind, CPU, torch.float32, **variant)
+    assert d.regions == DrafterRegions.eager() and all(layer.regions == d.regions for layer in d.layers)
+    rows, pool, hidden = _draft_step(d, VanillaAttention())
+    if kind == "gqa":                                    # K and V one buffer's halves: one cache write for both
+        with torch.inference_mode():
+            assert joint_kv(*d._context_planes(d.layers[0], torch.randn(3, HIDDEN), torch.arange(3))) is not None
+    _module_path(d)
+    want_rows, want_pool, want_hidden = _draft_step(d, VanillaAttention())
+    assert torch.equal(rows, want_rows) and torch.equal(pool, want_pool) and torch.equal(hidden, want_hidden)
+    assert bool((pool != 0).any())                       # the step wrote draft KV
+    # fusing q|k|v and gate|up only re-rounds: the unfused drafter (its training-time modules) agrees
+    raw_rows, raw_pool, raw_hidden = _draft_step(_drafter(kind, CPU, torch.float32, fused=False, **variant),
+                                                 VanillaAttention())
+    assert torch.equal(raw_rows, rows) and _rel(raw_pool, pool) < 1e-5 and _rel(raw_hidden, hidden) < 1e-5
+    _perturbed(d)                                        # control: the path reads the perturbed weight
+    assert _rel(_draft_step(d, VanillaAttention())[2], hidden) > 1e-2
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_inductor_regions_match_eager_on_cpu(kind):
+    d = _drafter(kind, CPU, torch.float32)
+    want_rows, want_pool, want_hidden = _draft_step(d, VanillaAttention())
+    with torch.inference_mode():        # as the engine calls propose
+        anchors = want_rows[:, 1].clone()
+        want_ids, want_logits = d.propose(want_hidden, anchors, Q - 1)
+        d.use_regions(DrafterRegions.inductor())
+        ids, logits = d.propose(want_hidden, anchors, Q - 1)
+    rows, pool, hidden = _draft_step(d, VanillaAttention())
+    assert torch.equal(rows, want_rows) and torch.equal(ids, want_ids)
+    assert torch.equal(want_rows[:, 2:], want_ids)       # the step's drafts are propose's
+    assert _rel(pool, want_pool) < 1e-4 and _rel(hidden, want_hidden) < 1e-4 and _rel(logits, want_logits) < 1e-4
+    _perturbed(d)                                        # control: the compiled regions read the weights passed
+    assert _rel(_draft_step(d, VanillaAttention())[2], want_hidden) > 1e-2
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_llm_with_compiled_drafter_is_lossless(make_llm, tiny_llama_dir, tiny_drafters, kind):
+    prompts = [[5, 6, 7], [40, 41, 42, 43, 44], [9, 10, 11, 12]]
+    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in make_llm(tiny_llama_dir).generate(prompts, sp)]
+    llm = make_llm(tiny_llama_dir, speculative_config=dspark_spec(tiny_drafters[kind]), torch_compile_config={})
+    assert llm.capacity_report["layer_regions"] == "inductor"
+    assert llm.capacity_report["drafter_regions"] == "inductor"
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == want
+    engine = llm._executor.engine
+    assert engine.spec_step.num_launches > 0             # the draft step ran (inside the one-graph step)
+    assert llm.get_stats()["speculative"]["draft_tokens"] > 0
+
+
+def test_fp8_drafter_keeps_its_modules_but_propose():
+    d = _drafter("gqa", CPU, torch.float32, quant_config=QUANT)
+    want_rows, _, hidden = _draft_step(d, VanillaAttention())
+    d.use_regions(DrafterRegions.inductor())
+    assert d.regions.compiled and all(layer.regions is None for layer in d.layers)
+    assert d.regions_summary().startswith("inductor (propose only")
+    rows, _, got_hidden = _draft_step(d, VanillaAttention())
+    assert torch.equal(rows, want_rows) and torch.equal(got_hidden, hidden)
+
+
+def test_regions_need_fused_projections():
+    d = _drafter("gqa", CPU, torch.float32, fused=False)
+    with pytest.raises(ValueError, match="layer 0: drafter regions need fused"):
+        d.use_regions(DrafterRegions.inductor())
+    assert d.regions is None and all(layer.regions is None for layer in d.layers)   # nothing half-applied
+    assert d.regions_summary() == "modules"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_inductor_regions_in_the_draft_graph_on_gpu(kind):
+    from tensorrt_llm._torch.attention_backend.triton_backend import TritonAttention
+    d = _drafter(kind, torch.device("cuda"), torch.bfloat16, **({"qk_rope_head_dim": 16} if kind == "mla" else {}))
+    want_rows, want_pool, hidden = _draft_step(d, TritonAttention())          # eager regions, run directly
+    with torch.inference_mode():
+        want_ids, logits = d.propose(hidden, want_rows[:, 1].clone(), Q - 1)
+    assert torch.equal(want_ids, want_rows[:, 2:])
+    d.use_regions(DrafterRegions.inductor())
+    rows, pool, _ = _draft_step(d, TritonAttention(), capture=True)         # compiled, in a CUDA graph
+    assert torch.equal(rows[:, :2], want_rows[:, :2])                       # committed, anchor
+    _diverge_only_at_near_ties(rows[:, 2:].cpu(), want_ids.cpu(), logits.float().cpu(), 0.05)
+    assert _norm_rel(pool, want_pool) < 2e-2
+    _perturbed(d)                                                           # control
+    _, bad_pool, _ = _draft_step(d, TritonAttention(), capture=True)
+    assert _norm_rel(bad_pool, want_pool) > 0.08
