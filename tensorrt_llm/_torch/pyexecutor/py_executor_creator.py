@@ -17,7 +17,7 @@ from ..attention_backend.resolver import create_backend
 from ..models import load_target_model
 from ..modules.compiled_regions import LayerRegions
 from .kv_cache.kv_cache_spec import KVCacheSpec, kv_dtype_from_name, split_budget
-from ..runtime.device import resolve_device, resolve_dtype
+from ..runtime.device import is_device_fault, resolve_device, resolve_dtype
 from .model_engine import ModelEngine
 from .py_executor import PyExecutor
 from .kv_cache.resource_manager import KVCacheManager
@@ -148,12 +148,26 @@ def _enable_spec_step(engine: ModelEngine, drafter, max_batch_size: int) -> dict
 def _capture_graphs(engine: ModelEngine, drafter, continued: bool, dtype: torch.dtype) -> dict[str, Any]:
     """Capture every CUDA graph a step may replay before the first request (a capture takes tens of
     milliseconds, and a new batch size or token bucket would otherwise stall every running request
-    for it); continued: the entries of overlapped DSpark steps too. The capacity report's entry."""
-    t0 = time.perf_counter()
-    n = drafter.graph_runner.capture_all(dtype) if drafter is not None and drafter.graph_runner is not None else 0
-    n += engine.capture_graphs(continued)
-    torch.cuda.synchronize(engine.device)
-    return {"captured_at_startup": n, "seconds": round(time.perf_counter() - t0, 2)}
+    for it); continued: the entries of overlapped DSpark steps too. The capacity report's entry.
+    A capture the runtime refuses here is logged and reported; the graphs not captured yet are then
+    captured at their first step, as without a startup capture (a device fault is raised)."""
+    t0, n, error = time.perf_counter(), 0, None
+    try:
+        if drafter is not None and drafter.graph_runner is not None:
+            n += drafter.graph_runner.capture_all(dtype)
+        n += engine.capture_graphs(continued)
+    except (RuntimeError, ValueError) as e:
+        if is_device_fault(e):
+            raise
+        error = f"{type(e).__name__}: {e}"
+        logger.error("capturing CUDA graphs at startup failed after %d (%s); the rest are captured at their "
+                     "first step", n, error)
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    out: dict[str, Any] = {"captured_at_startup": n, "seconds": round(time.perf_counter() - t0, 2)}
+    if error is not None:
+        out["error"] = error
+    return out
 
 
 def _overlap_report(args: TorchLlmArgs, executor: PyExecutor, backend, drafter) -> dict[str, Any]:

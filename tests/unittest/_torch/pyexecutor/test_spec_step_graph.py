@@ -176,3 +176,29 @@ def test_a_one_graph_capture_refused_at_startup_turns_it_off(make_llm, tiny_llam
     monkeypatch.setattr(spec_step_graph.SpecStepGraph, "capture_all", fault)
     with pytest.raises(RuntimeError, match="illegal memory access"):
         llm2._executor.engine.capture_graphs(True)
+
+
+def test_a_startup_capture_the_runtime_refuses_is_reported(make_llm, tiny_llama_dir, tiny_drafters, monkeypatch,
+                                                           caplog):
+    """The executor creator's startup capture (`_capture_graphs`): a refused capture is logged and
+    reported instead of raised (the rest are captured at their first step); a device fault is
+    raised. Control: nothing refused, no error entry."""
+    from tensorrt_llm._torch.pyexecutor import py_executor_creator
+    from tensorrt_llm._torch.speculative.draft_graph_runner import DraftGraphRunner
+    spec = {"decoding_type": "DSpark", "speculative_model": tiny_drafters["gqa"]}
+    ex = make_llm(tiny_llama_dir, speculative_config=spec)._executor
+    ok = py_executor_creator._capture_graphs(ex.engine, ex.drafter, True, torch.float32)
+    assert ok["captured_at_startup"] == 0 and "error" not in ok
+
+    def refused(self, dtype):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(DraftGraphRunner, "capture_all", refused)
+    with caplog.at_level("ERROR", logger="tensorrt_llm"):
+        rep = py_executor_creator._capture_graphs(ex.engine, ex.drafter, True, torch.float32)
+    assert "not permitted" in rep["error"] and "capturing CUDA graphs at startup failed" in caplog.text
+
+    def fault(self, dtype):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(DraftGraphRunner, "capture_all", fault)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        py_executor_creator._capture_graphs(ex.engine, ex.drafter, True, torch.float32)
