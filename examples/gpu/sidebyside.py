@@ -20,6 +20,10 @@ it exports PYTHONPATH / FLASHINFER_WORKSPACE_BASE and puts the model, drafters a
 Rough time of (2) on one H200 at the 2026-12-01 speeds: ~60 s per round of the four arms, plus building
 the three engines and compiling HF (~1-2 min with warm caches); --deadline-s (default 540) starts no
 round that would end past it, and the JSON / markdown are rewritten after every round.
+Device time, measured 2026-12-02: a fresh machine is held ~110-155 s before the first call runs, the
+other three carry parts take ~20 s each, flashinfer's first-use JIT (the first FLASHINFER engine or
+GPU test on a fresh machine) 100 s or more, --anchor ~280 s, the HF arm's compile ~130 s. So a
+session's 30 device-minutes hold one fresh machine with tests and a three-round side by side, not two.
 """
 from __future__ import annotations
 

@@ -78,12 +78,17 @@ class ModelEngine:
             try:
                 n += self.spec_step.capture_all(continued)
             except RuntimeError as e:
-                if is_device_fault(e):
-                    raise
-                logger.error("one-graph DSpark step capture failed (%s: %s); verify and draft run apart",
-                             type(e).__name__, e)
-                self.spec_step = None
+                self._spec_step_refused(e, "capture ")
         return n
+
+    def _spec_step_refused(self, e: RuntimeError, what: str) -> None:
+        """The runtime refused the one-graph step (`what`: "" a step, "capture " the startup capture):
+        it is off from now on, logged; a device fault is raised."""
+        if is_device_fault(e):
+            raise e
+        logger.error("one-graph DSpark step %sfailed (%s: %s); verify and draft run apart from now on",
+                     what, type(e).__name__, e)
+        self.spec_step = None
 
     @torch.inference_mode()
     def forward_spec(self, reqs: Sequence[LlmRequest], segments: Sequence[ForwardSegment]
@@ -99,11 +104,7 @@ class ModelEngine:
         try:
             launch = self.spec_step.run(reqs, segments)
         except RuntimeError as e:
-            if is_device_fault(e):
-                raise
-            logger.error("one-graph DSpark step failed (%s: %s); verify and draft run apart from now on",
-                         type(e).__name__, e)
-            self.spec_step = None
+            self._spec_step_refused(e, "")
             return None
         self.num_continued_steps += int(launch is not None and shifted)
         return launch
