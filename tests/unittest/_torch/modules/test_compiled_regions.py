@@ -110,3 +110,29 @@ def test_inductor_regions_on_gpu(llama64_dir, make_llm, hf_reference):
             gap = float((logits[a[i]] - logits[b[i]]).abs())
             assert gap < 0.03 * float(logits.std()), f"diverged at {i}: fp32 gap {gap:.3f}"
     assert agreed >= 0.75 * sum(len(a) for a in got)
+
+
+@pytest.mark.parametrize("t", [1, 7])
+def test_compiled_regions_keep_k_and_v_joint(t):
+    """The inductor regions return k and v as one buffer's halves (`joint_kv`: one cache write per
+    layer), from `attention_inputs` and from `output_then_inputs`, and equal the eager regions'.
+    Control: separately allocated k and v are not joint."""
+    from tensorrt_llm._torch.attention_backend.interface import joint_kv
+    g = torch.Generator().manual_seed(t)
+    hq, hkv, d, hidden, inter = 4, 2, 8, 16, 32
+    w = {n: torch.randn(*s, generator=g) * 0.2 for n, s in
+         (("qkv", ((hq + 2 * hkv) * d, hidden)), ("o", (hidden, hq * d)), ("gu", (2 * inter, hidden)),
+          ("down", (hidden, inter)))}
+    h, o = torch.randn(t, hidden, generator=g), torch.randn(t, hq * d, generator=g)
+    ang = torch.randn(t, 1, d // 2, generator=g)
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    ones = torch.ones(hidden)
+    args = (h, o, w["o"], ones, 1e-6, w["gu"], w["down"], ones, 1e-6, w["qkv"], None, cos, sin, hq, hkv, d)
+    with torch.inference_mode():
+        got = LayerRegions.inductor().output_then_inputs(*args)
+        want = LayerRegions.eager().output_then_inputs(*args)
+        q, k, v = LayerRegions.inductor().attention_inputs(h, ones, 1e-6, w["qkv"], None, cos, sin, hq, hkv, d)
+    assert joint_kv(got[2], got[3]) is not None and joint_kv(k, v) is not None
+    for a, b in zip(got, want):
+        assert _rel(a, b) < 1e-4
+    assert joint_kv(k.clone(), v.clone()) is None
