@@ -117,7 +117,9 @@ def profile_arm(model: str, drafter: str | None, batch: int, max_tokens: int, pr
            "step_ms_inside_step": step_ms, "phase_ms_per_step": phases,
            "tokens_per_step": toks / max(steps, 1), "overlap_scheduler": llm.capacity_report["overlap_scheduler"],
            "continued_steps": ex.engine.num_continued_steps,
-           "one_graph_steps": ex.engine.spec_step.num_launches if ex.engine.spec_step is not None else 0}
+           "one_graph_steps": ex.engine.spec_step.num_launches if ex.engine.spec_step is not None else 0,
+           "cuda_graphs": llm.capacity_report.get("cuda_graphs"),
+           "drafter_regions": llm.capacity_report.get("drafter_regions")}
     if ex.drafter is not None:
         # acceptance over the timed run: AL per verify, and verifies per step (B when every request
         # verifies in every step; prefill steps and requests sitting out lower it)
