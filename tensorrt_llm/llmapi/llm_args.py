@@ -134,8 +134,8 @@ class TorchLlmArgs(StrictBaseModel):
         default="AUTO", description="Attention backend of the target model.")
     use_cuda_graph: bool = Field(
         default=False, description="Capture decode/verify steps in CUDA graphs (CUDA only). Every graph a "
-        "step may replay (each batch bucket and verify width, each prompt-chunk token bucket, the one-graph "
-        "DSpark step) is captured at startup, so no serving step waits for a capture; "
+        "step may replay (each batch bucket and verify width, each prompt-chunk token bucket up to 2048 tokens, "
+        "the one-graph DSpark step) is captured at startup, so no serving step waits for a capture; "
         "capacity_report['cuda_graphs'] says how many and how long it took.")
     disable_overlap_scheduler: bool = Field(
         default=False, description="Turn off the overlap scheduler: by default a step's tokens stay on the "

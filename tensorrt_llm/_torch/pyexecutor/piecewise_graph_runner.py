@@ -39,6 +39,10 @@ logger = logging.getLogger("tensorrt_llm")
 
 SMALL_TOKEN_BUCKETS = (16, 32, 64, 128, 256)
 LARGE_TOKEN_STEP = 256
+# Buckets captured at startup (`capture_all`); larger ones at their first step. Every piece keeps its
+# outputs, (L + 1) x (hidden + q + k + v) values per token of a bucket, so capturing all buckets of a
+# large max_num_tokens up front would hold memory that no step may use (SmolLM2 at 8192 tokens: ~13 GB).
+STARTUP_CAPTURE_TOKENS = 2048
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -169,12 +173,12 @@ class PiecewiseGraphRunner:
 
     @torch.inference_mode()
     def capture_all(self) -> int:
-        """Capture every token bucket's pieces now (the engine calls it once at startup, so no step
-        waits for a capture): the pieces replay in order on zero inputs with attention skipped
-        (pieces write only their own outputs; the KV pool is untouched). Returns how many graphs
-        were captured."""
+        """Capture the pieces of every token bucket up to `STARTUP_CAPTURE_TOKENS` now (the engine calls
+        it once at startup, so no such step waits for a capture): the pieces replay in order on zero
+        inputs with attention skipped (pieces write only their own outputs; the KV pool is
+        untouched). Returns how many graphs were captured."""
         n0 = self.graphs.num_captures
-        for t in self.buckets:
+        for t in (b for b in self.buckets if b <= STARTUP_CAPTURE_TOKENS):
             b = self._bucket(t)
             for j in range(len(b.pieces)):
                 if b.pieces[j].graph is None:
