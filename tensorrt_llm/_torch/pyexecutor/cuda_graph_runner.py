@@ -222,17 +222,11 @@ class CUDAGraphRunner:
         """Capture every (bucket, q) entry now, on padding rows, so that no step waits for a capture
         (the engine calls it once at startup); continued: the continued-segment entries too.
         Returns how many were captured (0 without CUDA graphs)."""
-        if not self.graphs.capture:
-            return 0
-        n0 = self.graphs.num_captures
-        for bucket in self.buckets:
-            for q in sorted(self.token_counts):
-                for shifted in (False, True) if continued else (False,):
-                    entry = self.graphs.entry((bucket, q, shifted), lambda: self.new_entry(bucket, q, shifted))
-                    if entry.graph is None:
-                        self.load_inputs(entry, [], StepPlan.padding_only(bucket, q, shifted))
-                        self.graphs.replay(entry, self.forward)
-        return self.graphs.num_captures - n0
+        keys = [(b, q, s) for b in self.buckets for q in sorted(self.token_counts)
+                for s in ((False, True) if continued else (False,))]
+        return sum(self.graphs.capture_ahead(
+            (b, q, s), lambda: self.new_entry(b, q, s),
+            lambda e: self.load_inputs(e, [], StepPlan.padding_only(b, q, s)), self.forward) for b, q, s in keys)
 
     def new_entry(self, bucket: int, q: int, shifted: bool = False) -> TargetGraphEntry:
         dev, max_pages = self.device, self.kv.max_blocks_per_seq

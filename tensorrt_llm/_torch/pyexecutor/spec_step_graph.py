@@ -108,18 +108,14 @@ class SpecStepGraph:
     def capture_all(self, continued: bool) -> int:
         """Capture every (bucket, q[, continued]) entry now, on padding rows (the engine calls it once
         at startup). Returns how many were captured (0 without CUDA graphs)."""
-        if not self.graphs.capture:
-            return 0
-        n0 = self.graphs.num_captures
-        for bucket in self.target.buckets:
-            for q in sorted(self.draft.widths & self.target.token_counts):
-                for shifted in (False, True) if continued else (False,):
-                    entry = self.graphs.entry((bucket, q, shifted), lambda: self._new_entry(bucket, q, shifted))
-                    if entry.graph is None:
-                        self.target.load_inputs(entry.target, [], StepPlan.padding_only(bucket, q, shifted))
-                        self.draft.prepare_block(entry.block_md, bucket, q, 0)
-                        self.graphs.replay(entry, self._forward)
-        return self.graphs.num_captures - n0
+        def stage(e: _SpecEntry) -> None:
+            self.target.load_inputs(e.target, [], StepPlan.padding_only(e.target.bucket, e.target.q,
+                                                                        e.target.shift is not None))
+            self.draft.prepare_block(e.block_md, e.target.bucket, e.target.q, 0)
+        keys = [(b, q, s) for b in self.target.buckets for q in sorted(self.draft.widths & self.target.token_counts)
+                for s in ((False, True) if continued else (False,))]
+        return sum(self.graphs.capture_ahead((b, q, s), lambda: self._new_entry(b, q, s), stage, self._forward)
+                   for b, q, s in keys)
 
     def _new_entry(self, bucket: int, q: int, shifted: bool) -> _SpecEntry:
         t = self.target.new_entry(bucket, q, shifted)

@@ -120,6 +120,20 @@ class GraphCache(Generic[E]):
             e = self.entries[key] = make()
         return e
 
+    def capture_ahead(self, key: Hashable, make: Callable[[], E], stage: Callable[[E], None],
+                      forward: Callable[[E], Any]) -> int:
+        """Capture entry `key` before any step needs it (a runner's `capture_all`, at startup): `stage`
+        loads padding-only inputs, then the first replay captures. Returns 1 when captured now, 0 when
+        it already was or without CUDA graphs."""
+        if not self.capture:
+            return 0
+        entry = self.entry(key, make)
+        if entry.graph is not None:
+            return 0
+        stage(entry)
+        self.replay(entry, forward)
+        return 1
+
     def replay(self, entry: E, forward: Callable[[E], Any]) -> Any:
         """Replay `entry` (its inputs already loaded), capturing `forward(entry)` the first time;
         returns the entry's outputs."""

@@ -187,17 +187,12 @@ class DraftGraphRunner:
     def capture_all(self, dtype: torch.dtype) -> int:
         """Capture every (bucket, q) entry now, on padding rows (the engine calls it once at startup);
         dtype: the target's captured rows. Returns how many were captured (0 without CUDA graphs)."""
-        if not self.graphs.capture:
-            return 0
-        n0, width, none = self.graphs.num_captures, self.drafter.config.fc_in_features, np.empty(0, dtype=np.int64)
-        for bucket in self.buckets:
-            for q in sorted(self.widths):
-                entry = self.graphs.entry((bucket, q), lambda: self._new_entry(bucket, q, width, dtype))
-                if entry.graph is None:
-                    self._load_inputs(entry, 0, entry.captured[:0], entry.verified[:0],
-                                      DraftPlan(bucket, q, none, none), [])
-                    self.graphs.replay(entry, self._forward)
-        return self.graphs.num_captures - n0
+        width, none = self.drafter.config.fc_in_features, np.empty(0, dtype=np.int64)
+
+        def stage(e: _DraftEntry) -> None:
+            self._load_inputs(e, 0, e.captured[:0], e.verified[:0], DraftPlan(e.bucket, e.q, none, none), [])
+        return sum(self.graphs.capture_ahead((b, q), lambda: self._new_entry(b, q, width, dtype), stage, self._forward)
+                   for b in self.buckets for q in sorted(self.widths))
 
     def _io_views(self, buf: torch.Tensor, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(starts [bucket] int64, block_tables [bucket, max_pages] int32) views of an io buffer."""
