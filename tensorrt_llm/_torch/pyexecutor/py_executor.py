@@ -397,7 +397,7 @@ class PyExecutor:
         """Read a launched step's choices and apply them: append + stop criteria, kv.commit, drafts."""
         chosen, verified = step.read()
         commits = self._update_requests(step.reqs, step.segments, step.num_ctx, step.out, chosen, verified)
-        if self.drafter is not None and step.out.captured is not None and commits:
+        if self.drafter is not None and commits:
             self._isolated(lambda cs: self.drafter.draft(cs, step.out.captured, step.ahead), commits,
                            lambda c: c.req)
         for req in step.reqs:

@@ -51,7 +51,7 @@ def greedy_verify(ids: torch.Tensor, logits: torch.Tensor, live: torch.Tensor) -
 class SpecLaunch:
     """A launched one-graph DSpark step, before the host read it."""
 
-    out: ForwardOutput           # captured rows and their offsets (no logits: the verify ran in the graph)
+    out: ForwardOutput           # row offsets only: no logits (verified here), no captured rows (drafted here)
     verified: torch.Tensor       # [B, q] int64 committed tokens per request, -1 padded (a private copy)
     ahead: DraftsAhead           # every request's next drafts and committed count, on the device
 
@@ -59,7 +59,7 @@ class SpecLaunch:
 @dataclass
 class _SpecEntry(GraphEntry):
     """One (bucket, q, continued): the target entry (inputs) and the draft block's metadata over
-    the target entry's block tables; outputs (verified [bucket, q], rows [bucket, 2 + K], captured)."""
+    the target entry's block tables; outputs (verified [bucket, q], rows [bucket, 2 + K])."""
 
     target: Optional[TargetGraphEntry] = None
     block_md: Optional[AttentionMetadata] = None
@@ -94,13 +94,14 @@ class SpecStepGraph:
         entry = self.graphs.entry((bucket, q, plan.shifted), lambda: self._new_entry(bucket, q, plan.shifted))
         self.target.load_inputs(entry.target, segments, plan)
         self.draft.prepare_block(entry.block_md, bucket, q, int(plan.starts.max()))
-        verified, rows, captured = self.graphs.replay(entry, self._forward)
+        verified, rows = self.graphs.replay(entry, self._forward)
         self.num_launches += 1
         b = len(segments)
         self.draft.num_drafted += b
         n = b * q
         offsets = list(range(0, n, q))
-        out = ForwardOutput(captured.new_zeros(0, 1).float(), offsets, captured[:n].clone(), offsets)
+        # no logits (the verify ran in the graph) and no captured rows (the graph drafted every request)
+        out = ForwardOutput(verified.new_zeros(0, 1).float(), offsets, None, offsets)
         ahead = DraftsAhead({s.request_id: j for j, s in enumerate(segments)}, PendingTokens(rows[:b].clone()))
         return SpecLaunch(out, verified[:b].clone(), ahead)
 
@@ -121,7 +122,7 @@ class SpecStepGraph:
         t = self.target.new_entry(bucket, q, shifted)
         return _SpecEntry(target=t, block_md=self.draft.block_metadata(bucket, t.md.block_tables))
 
-    def _forward(self, entry: _SpecEntry) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _forward(self, entry: _SpecEntry) -> tuple[torch.Tensor, torch.Tensor]:
         t = entry.target
         logits, captured = self.target.forward(t)
         if captured is None:
@@ -132,4 +133,4 @@ class SpecStepGraph:
         if t.shift is not None:
             start = start + t.shift
         rows = self.draft.draft_rows(captured, verified, start, entry.block_md)
-        return verified, rows, captured
+        return verified, rows

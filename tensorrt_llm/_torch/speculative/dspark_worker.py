@@ -236,9 +236,10 @@ class DSparkWorker(Drafter):
         """Attach the drafts launched by `draft_ahead`, then write draft context for the other
         committed tokens and draft for their generating requests (eagerly).
 
-        captured: [T, n*H] target hidden states of this step's packed tokens.
+        captured: [T, n*H] target hidden states of this step's packed tokens, or None (a one-graph
+        step: every request of it is in `ahead`); the other requests draft only from it.
         """
-        if captured is None or not commits:
+        if not commits:
             return
         rest = list(commits)
         if ahead is not None:
@@ -251,7 +252,7 @@ class DSparkWorker(Drafter):
                 if req.state == RequestState.GENERATION and not req.is_finished:
                     req.draft_tokens, req.draft_probs = ahead.drafts(req.request_id), None
             rest = [c for c in commits if c.req.request_id not in ahead.rows]
-        if rest:
+        if rest and captured is not None:
             self._eager_draft(rest, captured)
 
     def _eager_draft(self, commits: Sequence[StepCommit], captured: torch.Tensor) -> None:

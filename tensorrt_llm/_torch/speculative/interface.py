@@ -108,7 +108,8 @@ class Drafter(ABC):
               ahead: Optional[DraftsAhead] = None) -> None:
         """Write draft context for the committed tokens, then propose drafts for generating requests;
         requests in `ahead` (this step's `draft_ahead`) only take their launched drafts.
-        captured: [T, n*H] the step's captured target hidden rows (None when nothing was captured)."""
+        captured: [T, n*H] the step's captured target hidden rows, or None (a one-graph step, whose
+        requests are all in `ahead`): then only `ahead`'s requests take drafts."""
 
     @abstractmethod
     def release(self, req: LlmRequest) -> None:
