@@ -21,6 +21,8 @@ from tensorrt_llm import LLM, SamplingParams
 from tensorrt_llm._torch.models.checkpoint import read_config
 from tensorrt_llm._torch.models.modeling_dspark import DSparkForCausalLMBase
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
+from tensorrt_llm._torch.pyexecutor.spec_step_graph import SpecStepGraph
+from tensorrt_llm._torch.speculative.draft_graph_runner import DraftGraphRunner
 from tensorrt_llm._torch.speculative.dspark_worker import DSparkWorker
 
 PROMPTS = ["the quick brown fox", "hello world, what is the capital of france?", "once upon a time",
@@ -84,6 +86,25 @@ def test_draft_graph_matches_eager_and_is_lossless(llama64_dir, tmp_path_factory
 
     seen = {"same": 0, "total": 0, "replays": 0, "kv_err": [], "kv_off": []}
     orig_draft = DSparkWorker.draft
+    # A one-graph step hands the drafter no captured rows (the graph drafted from them): keep the
+    # captured buffer each graph's draft step reads (held here, it stays a fixed buffer of the graph's
+    # pool, rewritten by every replay) and hand it to the shadow below with the step's launch.
+    kept, last_block = {}, {}
+    orig_rows, orig_prep, orig_run = DraftGraphRunner.draft_rows, DraftGraphRunner.prepare_block, SpecStepGraph.run
+
+    def keep_rows(self, captured, verified, start, md):
+        kept[id(md)] = captured
+        return orig_rows(self, captured, verified, start, md)
+
+    def note_block(self, md, *args):
+        last_block["md"] = id(md)
+        return orig_prep(self, md, *args)
+
+    def run_keeping_rows(self, reqs, segments):
+        launch = orig_run(self, reqs, segments)
+        if launch is not None:
+            launch.out.captured = kept[last_block["md"]][:launch.verified.numel()].clone()
+        return launch
 
     def shadowed(self, commits, captured, ahead=None):
         orig_draft(self, commits, captured, ahead)      # attaches the launched drafts
@@ -111,6 +132,9 @@ def test_draft_graph_matches_eager_and_is_lossless(llama64_dir, tmp_path_factory
             seen["same"] += sum(a == b for a, b in zip(graph[c.req.request_id], e))
 
     monkeypatch.setattr(DSparkWorker, "draft", shadowed)
+    monkeypatch.setattr(DraftGraphRunner, "draft_rows", keep_rows)
+    monkeypatch.setattr(DraftGraphRunner, "prepare_block", note_block)
+    monkeypatch.setattr(SpecStepGraph, "run", run_keeping_rows)
     spec = {"decoding_type": "DSpark", "speculative_model": str(drafter)}
     with _llm(llama64_dir, use_cuda_graph=True, speculative_config=spec) as llm:
         worker: DSparkWorker = llm._executor.drafter
