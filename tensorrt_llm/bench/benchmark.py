@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, TypeVar
 
 import torch
 import yaml
@@ -218,6 +218,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64], help="levels to run, in order")
     p.add_argument("--waves", type=int, default=None,
                    help="run waves x C requests at level C (prompts cycled) instead of all prompts")
+    p.add_argument("--min-requests", type=int, default=1,
+                   help="with --waves: at least this many requests per level (e.g. 16 for a batch-1 figure)")
     p.add_argument("--max-tokens", type=int, default=128, help="max output tokens per request")
     p.add_argument("--max-input-len", type=int, default=None, help="drop prompts longer than this (tokens)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
@@ -232,17 +234,20 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
-def level_prompts(prompts: Sequence[list[int]], concurrency: int, waves: Optional[int]) -> list[list[int]]:
-    """All prompts, or with `waves` exactly waves x concurrency requests (prompts cycled)."""
+T = TypeVar("T")
+
+
+def level_prompts(prompts: Sequence[T], concurrency: int, waves: Optional[int], min_requests: int = 1) -> list[T]:
+    """All prompts, or with `waves` max(waves x concurrency, min_requests) requests (prompts cycled)."""
     if not waves:
         return list(prompts)
-    return [prompts[i % len(prompts)] for i in range(waves * concurrency)]
+    return [prompts[i % len(prompts)] for i in range(max(waves * concurrency, min_requests))]
 
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """Run every arm at every concurrency level; returns the JSON report."""
-    if args.num_requests < 1 or min(args.concurrency) < 1 or args.max_tokens < 1:
-        raise ValueError("--num-requests, --concurrency and --max-tokens must be >= 1")
+    if args.num_requests < 1 or min(args.concurrency) < 1 or args.max_tokens < 1 or args.min_requests < 1:
+        raise ValueError("--num-requests, --concurrency, --max-tokens and --min-requests must be >= 1")
     machine_before = _machine()
     load, cpus = machine_before["loadavg_1_5_15m"][0], os.cpu_count() or 1
     if not machine_before["cuda"] and load >= 0.5 * cpus:
@@ -260,7 +265,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         # warm-up: one full-length request, so first-use costs of prefill and decode are not timed
         llm.generate_async(prompts[0], SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)).result()
         for c in args.concurrency:
-            row = run_concurrency(llm, level_prompts(prompts, c, args.waves), c, params)
+            row = run_concurrency(llm, level_prompts(prompts, c, args.waves, args.min_requests), c, params)
             row["arm"] = arm
             rows.append(row)
             print(format_table([row]).splitlines()[-1], file=sys.stderr, flush=True)
@@ -271,7 +276,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     if args.hf_baseline:
         from .hf_baseline import run_hf_baseline
         for c in args.concurrency:
-            for r in run_hf_baseline(model, level_prompts(prompts, c, args.waves), [c], args.max_tokens,
+            for r in run_hf_baseline(model, level_prompts(prompts, c, args.waves, args.min_requests), [c], args.max_tokens,
                                      device=capacity["device"], dtype=llm_args.dtype,
                                      static_cache=args.hf_static_cache):
                 rows.append({**r, "arm": "hf", "concurrency": r["batch_size"]})

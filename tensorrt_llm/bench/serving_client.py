@@ -24,7 +24,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from . import datasets
-from .benchmark import _mean, _ms, percentile
+from .benchmark import _mean, _ms, level_prompts, percentile
 
 
 @dataclass
@@ -179,6 +179,8 @@ def run_serving_benchmark(args) -> dict[str, Any]:
         raise ValueError("--backend openai needs --base-url (e.g. http://localhost:8000)")
     if args.request_rate <= 0:
         raise ValueError(f"--request-rate must be > 0 (inf: all at once), got {args.request_rate}")
+    if args.min_requests < 1:
+        raise ValueError(f"--min-requests must be >= 1, got {args.min_requests}")
     base = args.base_url.rstrip("/")
     with httpx.Client(base_url=base, timeout=60) as client:
         try:
@@ -192,7 +194,7 @@ def run_serving_benchmark(args) -> dict[str, Any]:
         asyncio.run(run_level(base, path, bodies[:1], 1, float("inf")))          # warm-up, not timed
         rows = []
         for c in args.concurrency:
-            level = [bodies[i % len(bodies)] for i in range(args.waves * c)] if args.waves else bodies
+            level = level_prompts(bodies, c, args.waves, args.min_requests)
             before = scrape_spec(client)
             results, elapsed = asyncio.run(run_level(base, path, level, c, args.request_rate))
             rows.append(summarize(results, elapsed, c, args.request_rate,

@@ -84,8 +84,7 @@ def rotated(items: Sequence[Any], round_index: int) -> list[Any]:
 def level_requests(prompts: Sequence[list[int]], concurrency: int, waves: int,
                    min_requests: int) -> list[list[int]]:
     """max(waves x C, min_requests) requests, prompts cycled."""
-    n = max(waves * concurrency, min_requests)
-    return [prompts[i % len(prompts)] for i in range(n)]
+    return benchmark.level_prompts(prompts, concurrency, waves, min_requests)
 
 
 def load_prompt_texts(prompts_file: Optional[str], dataset: str, cache_dir: Optional[str]) -> list[str]:

@@ -166,3 +166,14 @@ def test_percentile_and_spec_delta():
     table = bm.format_table([{"arm": "x", "concurrency": 1, "requests_per_s": 1.0, "output_tok_s": 2.0,
                               "speculative": d}])
     assert table.splitlines()[-1].endswith("| 2.75 |")
+
+
+def test_level_prompts_waves_and_min_requests():
+    prompts = [[1], [2], [3]]
+    assert bm.level_prompts(prompts, 16, None, 99) == prompts             # no waves: every prompt once
+    assert bm.level_prompts(prompts, 2, 2) == [[1], [2], [3], [1]]        # waves x C, cycled
+    one = bm.level_prompts(prompts, 1, 2, min_requests=16)                # batch 1 on >= 16 requests
+    assert len(one) == 16 and one[3] == [1]
+    assert len(bm.level_prompts(prompts, 16, 2, min_requests=16)) == 32   # waves x C already above
+    with pytest.raises(SystemExit):
+        bm.main(["--model", "x", "--min-requests", "0"])
