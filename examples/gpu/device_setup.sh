@@ -31,7 +31,7 @@ _device_setup() {
       python3 examples/gpu/carry_parts.py untar "$carry/wheels.tar.xz" "$carry/wheels" >/dev/null || { echo "[device_setup] untar failed"; return 1; }
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
         "$carry"/wheels/*.whl >"$root/pip_install.log" 2>&1 || { tail -5 "$root/pip_install.log"; echo "[device_setup] pip install failed"; return 1; }
-      python3 -c "import pydantic, gguf, tvm_ffi" || { echo "[device_setup] carried packages do not import"; return 1; }
+      python3 -c "import pydantic, gguf, tvm_ffi, fastapi, uvicorn, httpx, prometheus_client" || { echo "[device_setup] carried packages do not import"; return 1; }
       rm -rf "$carry/wheels" && touch "$marker"
     fi
     site_s="site: $(python3 -c 'import torch, pydantic, transformers; import flashinfer; print(f"torch {torch.__version__} flashinfer {flashinfer.__version__} pydantic {pydantic.__version__} transformers {transformers.__version__}")' 2>&1 | tail -1)"

