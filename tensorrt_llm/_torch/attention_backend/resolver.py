@@ -3,7 +3,8 @@
 CPU -> VANILLA. CUDA + MLA drafter -> FLASHINFER's absorbed-MLA paged decode, which
 never degrades (a clear error names what is missing). CUDA + GQA -> FLASHINFER ->
 VANILLA, degrading with a logged reason. TRITON (plan-free, lengths on the device) is an
-explicit choice only. An explicit choice that cannot run raises; an unknown name raises
+explicit choice here; a DSpark drafter under AUTO with CUDA graphs then switches to its device
+draft step's TRITON backend for every draft step (`DSparkWorker.enable_device_drafts`). An explicit choice that cannot run raises; an unknown name raises
 (listing the known ones).
 """
 from __future__ import annotations

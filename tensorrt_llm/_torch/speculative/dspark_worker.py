@@ -104,7 +104,8 @@ class DSparkWorker(Drafter):
         """Launch the draft step of greedy verified requests from the device-side verify output
         (`draft_ahead`; after `bind`). With cuda_graphs it is captured per batch bucket with the
         TRITON backend; without, the same step runs directly with the worker's own backend. Either
-        needs a backend that reads KV lengths on the device; without one drafting stays eager."""
+        needs a backend that reads KV lengths on the device; without one drafting stays eager.
+        With cuda_graphs and `attention_backend: AUTO` the eager draft steps take TRITON as well."""
         from ..attention_backend.triton_backend import TritonAttention
         from .draft_graph_runner import DraftGraphRunner
         if self.kv is None:
@@ -133,6 +134,13 @@ class DSparkWorker(Drafter):
             self.graph_backend = why
             return
         self.graph_backend = backend.name
+        if cuda_graphs and self.cfg.attention_backend == "AUTO" and not self.backend.capabilities.device_lengths:
+            # AUTO: the draft steps outside the graph (a step with an arriving prompt) use the graph's
+            # backend too, so no draft step plans on the host or waits for the GPU
+            self.backend = TritonAttention()
+            self.resolution = Resolution("TRITON", "AUTO with CUDA graphs: the device draft step's backend for "
+                                         "every draft step (KV lengths read on the device: no host plan, no sync)")
+            logger.info("draft attention backend TRITON (%s)", self.resolution.reason)
 
     @property
     def drafts_on_device(self) -> bool:

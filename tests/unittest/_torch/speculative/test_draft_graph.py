@@ -192,6 +192,34 @@ def test_split_steps_with_staggered_arrivals_are_lossless(llama64_dir, tmp_path_
 
 
 @gpu
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_auto_drafter_takes_the_graph_backend_and_arrivals_stay_lossless(llama64_dir, tmp_path_factory, kind):
+    """Drafter on AUTO with CUDA graphs: every draft step runs the device draft step's TRITON backend
+    (a step with an arriving prompt drafts eagerly, with no host plan); staggered arrivals on a
+    TRITON target give the no-spec graph engine's output token for token. Control: an explicit
+    FLASHINFER choice is kept."""
+    from tensorrt_llm._torch.attention_backend.triton_backend import TritonAttention
+    drafter = _drafter(tmp_path_factory, llama64_dir, kind)
+    prompts = PROMPTS + [p[::-1] for p in PROMPTS]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (40, 17, 29, 8, 33, 21, 12, 40, 25, 9, 31, 3)]
+    common = dict(device="cuda", attn_backend="TRITON", max_batch_size=4, use_cuda_graph=True,
+                  kv_cache_config={"max_tokens": 8192, "tokens_per_block": 16})
+    with LLM(str(llama64_dir), **common) as llm:
+        baseline = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    spec = {"decoding_type": "DSpark", "speculative_model": str(drafter)}
+    with LLM(str(llama64_dir), speculative_config=spec, **common) as llm:
+        chosen = llm.capacity_report["attention_backend"]["draft"]
+        worker: DSparkWorker = llm._executor.drafter
+        assert chosen["name"] == "TRITON" and chosen["reason"].startswith("AUTO with CUDA graphs"), chosen
+        assert isinstance(worker.backend, TritonAttention) and worker.backend is not worker.graph_runner.backend
+        toks = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert toks == baseline
+    pytest.importorskip("flashinfer")
+    with LLM(str(llama64_dir), speculative_config={**spec, "attention_backend": "FLASHINFER"}, **common) as llm:
+        assert llm.capacity_report["attention_backend"]["draft"]["name"] == "FLASHINFER"
+
+
+@gpu
 def test_dspark_steps_never_block_on_the_gpu(llama64_dir, tmp_path_factory, no_device_syncs):
     """20 steady-state DSpark steps with graphs under torch.cuda.set_sync_debug_mode("error"): every
     step is one graph (verify, acceptance and the draft step: `SpecStepGraph`, one replay per
