@@ -148,7 +148,7 @@ class PiecewiseGraphRunner:
         b.input_ids.copy_(host[0], non_blocking=True)
         b.positions.copy_(host[1], non_blocking=True)
         for pend, at, toks in group_by_pending(dev_rows, dev_at):   # queued behind the step that made them
-            width = pend.device.shape[1]
+            width = pend.width
             dst = [a + i for a, t in zip(at, toks) for i in range(len(t))]
             src = [t.index * width + t.offset + i for t in toks for i in range(len(t))]
             b.input_ids.index_copy_(0, host_ints(dst, self.device),

@@ -29,6 +29,7 @@ class PendingTokens:
         if device_ids.dim() != 2:
             raise ValueError(f"token ids must be [B, K], got shape {tuple(device_ids.shape)}")
         self.device = device_ids
+        self.num_rows, self.width = device_ids.shape     # host ints: rows are cut many times per step
         self._event: Optional[torch.cuda.Event] = None
         if device_ids.is_cuda:
             self._host = torch.empty(device_ids.shape, dtype=device_ids.dtype, pin_memory=True)
@@ -40,7 +41,7 @@ class PendingTokens:
         self._rows: Optional[list[list[int]]] = None
 
     def __len__(self) -> int:
-        return self.device.shape[0]
+        return self.num_rows
 
     def rows(self) -> list[list[int]]:
         """[B][K] host ints (the first call waits until the copy has landed)."""
@@ -52,7 +53,7 @@ class PendingTokens:
 
     def row(self, i: int, k: Optional[int] = None, offset: int = 0) -> "TokenRow":
         """Row i's k ids from column `offset` (all the rest by default)."""
-        return TokenRow(self, i, self.device.shape[1] - offset if k is None else k, offset)
+        return TokenRow(self, i, self.width - offset if k is None else k, offset)
 
 
 class _HostInts(Sequence):
@@ -77,9 +78,9 @@ class TokenRow(_HostInts):
     __slots__ = ("pending", "index", "k", "offset")
 
     def __init__(self, pending: PendingTokens, index: int, k: int, offset: int = 0):
-        if not 0 <= index < len(pending) or offset < 0 or not 0 <= k <= pending.device.shape[1] - offset:
-            raise ValueError(f"token row {index} of {len(pending)}, {k} ids from column {offset} of "
-                             f"{pending.device.shape[1]}: out of range")
+        if not 0 <= index < pending.num_rows or offset < 0 or not 0 <= k <= pending.width - offset:
+            raise ValueError(f"token row {index} of {pending.num_rows}, {k} ids from column {offset} of "
+                             f"{pending.width}: out of range")
         self.pending, self.index, self.k, self.offset = pending, index, k, offset
 
     def __len__(self) -> int:

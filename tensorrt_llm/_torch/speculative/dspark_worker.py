@@ -205,7 +205,7 @@ class DSparkWorker(Drafter):
         out = host_ints(flat, device).view(len(drafts), k)
         dev = [(j, d) for j, d in enumerate(drafts) if isinstance(d, TokenRow)]
         for pend, rows, toks in group_by_pending([d for _, d in dev], [j for j, _ in dev]):
-            gather_into(out[:, :min(k, pend.device.shape[1] - toks[0].offset)], toks, rows)   # one producer each
+            gather_into(out[:, :min(k, pend.width - toks[0].offset)], toks, rows)   # one producer each
         return out
 
     def accept(self, req: LlmRequest, verified: Sequence[int], num_drafts: int) -> list[int]:
