@@ -9,6 +9,8 @@ The drafter's device step (`DraftGraphRunner.draft_rows`) is, per region::
     mla_attention_inputs: input_layernorm -> q (q_a, norm, q_b) | latent -> RoPE -> q_nope W_UK
     output          : o_proj + residual -> norm -> gate|up SwiGLU -> down + residual (the target's region)
     greedy_drafts   : lm_head GEMM -> per draft: + Markov bias of the previous pick -> argmax (propose)
+    draft_addressing: the step's integer work: committed count and anchor per row, context and block
+                      positions and slots from the block tables, the block's ids (draft_rows' head)
 
 with attention (the backend) between the inputs and the output of a layer. Eagerly a region is up
 to ~20 small kernels (the casts, norms, the rotation's slices and products, residual adds, a Markov
@@ -29,6 +31,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from ..attention_backend.interface import device_positions
 from ..modules.compiled_regions import LayerRegions, layer_output
 from ..modules.rms_norm import rms_norm
 from ..modules.rotary_embedding import rope_rotate
@@ -124,6 +127,22 @@ def greedy_drafts(hidden: torch.Tensor, anchor_ids: torch.Tensor, lm_w: torch.Te
     return torch.stack(ids, dim=1), torch.stack(out, dim=1)
 
 
+def draft_addressing(start: torch.Tensor, verified: torch.Tensor, block_tables: torch.Tensor, page_size: int,
+                     block_size: int, mask_token_id: int) -> tuple[torch.Tensor, ...]:
+    """The device draft step's addressing: start [B] int64 first verified position, verified [B, q]
+    int64 (-1 padded), block_tables [B, W] int32 -> (context positions [B, q], context slots [B*q],
+    committed [B] (1..q), anchors [B], block positions [B, S], block slots [B*S], block KV lengths
+    [B] (start + committed + S), block ids [B, S] = [anchor, MASK x (S-1)])."""
+    ctx_pos, ctx_slots = device_positions(start, verified.shape[1], block_tables, page_size)
+    committed = (verified >= 0).sum(1)
+    anchors = verified.gather(1, (committed - 1)[:, None])[:, 0]
+    new_ctx = start + committed
+    blk_pos, blk_slots = device_positions(new_ctx, block_size, block_tables, page_size)
+    first = torch.arange(block_size, device=start.device)[None, :] == 0
+    blk_ids = torch.where(first, anchors[:, None], mask_token_id)
+    return ctx_pos, ctx_slots, committed, anchors, blk_pos, blk_slots, new_ctx + block_size, blk_ids
+
+
 @dataclass(frozen=True)
 class DrafterRegions:
     """The region functions a drafter calls (eager, or compiled)."""
@@ -135,12 +154,13 @@ class DrafterRegions:
     mla_attention_inputs: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     output: Callable[..., torch.Tensor]
     greedy_drafts: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    draft_addressing: Callable[..., tuple[torch.Tensor, ...]]
     compiled: bool
 
     @staticmethod
     def eager() -> "DrafterRegions":
         return DrafterRegions(features, gqa_project_kv, gqa_attention_inputs, mla_latent, mla_attention_inputs,
-                              layer_output, greedy_drafts, compiled=False)
+                              layer_output, greedy_drafts, draft_addressing, compiled=False)
 
     @staticmethod
     def inductor() -> "DrafterRegions":
@@ -155,4 +175,4 @@ def _inductor_regions() -> DrafterRegions:
         return torch.compile(fn, dynamic=True)
     return DrafterRegions(compiled(features), compiled(gqa_project_kv), compiled(gqa_attention_inputs),
                           compiled(mla_latent), compiled(mla_attention_inputs), LayerRegions.inductor().output,
-                          compiled(greedy_drafts), compiled=True)
+                          compiled(greedy_drafts), compiled(draft_addressing), compiled=True)

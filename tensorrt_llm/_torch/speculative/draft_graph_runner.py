@@ -42,8 +42,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from ..attention_backend.interface import (BAD_PAGE_INDEX, AttentionBackend, AttentionMetadata, device_positions,
-                                           host_ints)
+from ..attention_backend.interface import BAD_PAGE_INDEX, AttentionBackend, AttentionMetadata, host_ints
+from ..models.dspark_regions import draft_addressing
 from ..pyexecutor.kv_cache.resource_manager import KVCacheManager
 from ..runtime.cuda_graph import GraphCache, GraphEntry, batch_buckets, check_graph_support, owned_rows
 from ..runtime.llm_request import LlmRequest, RequestState
@@ -266,16 +266,12 @@ class DraftGraphRunner:
         """The draft step on the device (module doc), capturable: captured [B*q, n*H] target rows,
         verified [B, q] int64 (-1 padded), start [B] int64 first verified position, md from
         `block_metadata` -> [B, 2 + k_max] int64 rows [committed | anchor, drafts]."""
-        d, s, p = self.drafter, self.block_size, self.kv.tokens_per_block
-        ctx_pos, ctx_slots = device_positions(start, verified.shape[1], md.block_tables, p)
-        committed = (verified >= 0).sum(1)                                     # [B] 1..q
-        anchors = verified.gather(1, (committed - 1)[:, None])[:, 0]
-        new_ctx = start + committed
-        blk_pos, blk_slots = device_positions(new_ctx, s, md.block_tables, p)  # [bucket, S]
+        d = self.drafter
+        addressing = d.regions.draft_addressing if d.regions is not None else draft_addressing
+        ctx_pos, ctx_slots, committed, anchors, blk_pos, blk_slots, blk_lens, blk_ids = addressing(
+            start, verified, md.block_tables, self.kv.tokens_per_block, self.block_size, self.mask_token_id)
         md.slot_mapping.copy_(blk_slots)
-        md.kv_lens_device.copy_(new_ctx + s)
-        blk_ids = torch.full_like(blk_pos, self.mask_token_id)
-        blk_ids[:, 0] = anchors
+        md.kv_lens_device.copy_(blk_lens)
         feats = d.context_features(captured)
         d.write_context(feats, ctx_pos.view(-1), ctx_slots, self.kv_caches, self.backend, slots_valid=True)
         hidden = d.forward_block(blk_ids.view(-1), blk_pos.view(-1), md, self.kv_caches, self.backend)
