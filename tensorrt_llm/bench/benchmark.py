@@ -90,7 +90,8 @@ def run_concurrency(llm: LLM, prompts: Sequence[list[int]], concurrency: int,
                 failures.append(e)
                 return
 
-    spec_before = llm.get_stats().get("speculative")
+    stats_before = llm.get_stats()
+    spec_before, steps_before = stats_before.get("speculative"), stats_before["steps"]
     threads = [threading.Thread(target=client, daemon=True) for _ in range(min(concurrency, len(prompts)))]
     llm.reset_kv_peak()
     start = time.perf_counter()
@@ -99,7 +100,8 @@ def run_concurrency(llm: LLM, prompts: Sequence[list[int]], concurrency: int,
     for t in threads:
         t.join()
     elapsed = time.perf_counter() - start
-    peak_pages = llm.get_stats()["kv_cache"]["peak_used_pages"]
+    stats_after = llm.get_stats()
+    peak_pages = stats_after["kv_cache"]["peak_used_pages"]
     if failures:
         raise RuntimeError(f"{len(failures)} request(s) failed at concurrency {concurrency}") from failures[0]
     errors = [o.outputs[0].error for o in outputs if o.outputs[0].finish_reason == "error"]
@@ -118,7 +120,8 @@ def run_concurrency(llm: LLM, prompts: Sequence[list[int]], concurrency: int,
         "tpot_mean_s": _mean(tpot), "e2e_mean_s": _mean(e2e),
         "kv_peak_used_tokens": peak_pages * cap["tokens_per_block"],
         "kv_capacity_tokens": cap["max_tokens"],
-        "speculative": _spec_delta(spec_before, llm.get_stats().get("speculative")),
+        "speculative": _spec_delta(spec_before, stats_after.get("speculative")),
+        "steps": {k: stats_after["steps"][k] - v for k, v in steps_before.items()},
     }
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import itertools
 import logging
 import numbers
@@ -83,8 +84,10 @@ class LLM:
 
     def get_stats(self) -> dict[str, Any]:
         kv = self._bundle.kv.report()
-        stats = {"iterations": self._executor.iterations, "kv_cache": kv,
-                 "prefix_cache": kv["reuse"]}
+        ex = self._executor
+        stats = {"iterations": ex.iterations, "kv_cache": kv, "prefix_cache": kv["reuse"],
+                 "steps": {"total": ex.iterations, "with_prompt_chunks": ex.prompt_steps,
+                           "read_in_flight_first": ex.reads_before_launch, **dataclasses.asdict(ex.engine.paths)}}
         if self._executor.drafter is not None:
             stats["speculative"] = self._executor.drafter.stats()
         return stats

@@ -5,6 +5,7 @@ It never decides admission; it only executes what the scheduler chose.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
@@ -23,6 +24,16 @@ if TYPE_CHECKING:
     from .spec_step_graph import SpecLaunch, SpecStepGraph
 
 logger = logging.getLogger("tensorrt_llm")
+
+
+@dataclass
+class StepPaths:
+    """How the engine ran its steps, counted since construction (one per step)."""
+
+    one_graph: int = 0      # verify, acceptance and draft step as one graph (`SpecStepGraph`)
+    target_graph: int = 0   # the target's whole-step CUDA graph
+    piecewise: int = 0      # piecewise CUDA graphs (prompt chunks and the steps they join)
+    eager: int = 0          # no graph
 
 
 class ModelEngine:
@@ -60,7 +71,7 @@ class ModelEngine:
             self.piecewise = PiecewiseGraphRunner(model, kv, backend, self.kv_caches, device,
                                                   max(max_num_tokens, tokens_per_gen), self.capture_layer_ids)
         self.max_shift = tokens_per_gen  # a continued segment starts at most this many positions late
-        self.num_eager_steps = 0
+        self.paths = StepPaths()
         self.num_continued_steps = 0     # steps launched from the device rows of the step in flight
         self.spec_step: Optional["SpecStepGraph"] = None   # set by the creator with a device draft step
 
@@ -107,6 +118,7 @@ class ModelEngine:
             self._spec_step_refused(e, "")
             return None
         self.num_continued_steps += int(launch is not None and shifted)
+        self.paths.one_graph += int(launch is not None)
         return launch
 
     @torch.inference_mode()
@@ -118,17 +130,25 @@ class ModelEngine:
             self.num_continued_steps += 1
             out = self.graph_runner.run(segments) if self.graph_runner is not None else None
             if out is not None:
+                self.paths.target_graph += 1
                 return out
-            self.num_eager_steps += 1
+            self.paths.eager += 1
             return self._continued(segments)
         if self.graph_runner is not None:
             out = self.graph_runner.run(segments)
-            if out is None and self.piecewise is not None:
-                out = self.piecewise.run(segments)
             if out is not None:
+                self.paths.target_graph += 1
                 return out
-        self.num_eager_steps += 1
+            out = self.piecewise.run(segments) if self.piecewise is not None else None
+            if out is not None:
+                self.paths.piecewise += 1
+                return out
+        self.paths.eager += 1
         return self._eager(segments)
+
+    @property
+    def num_eager_steps(self) -> int:
+        return self.paths.eager
 
     def _eager(self, segments: Sequence[ForwardSegment]) -> ForwardOutput:
         """One packed forward of `segments` (any mix of prompt chunks and generation)."""

@@ -67,6 +67,8 @@ class PyExecutor:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self.iterations = 0
+        self.prompt_steps = 0            # steps with a prompt chunk
+        self.reads_before_launch = 0     # DSpark steps in flight read before the next launch
         self.fatal_error: Optional[str] = None
 
     # ---- submission --------------------------------------------------------------------
@@ -201,6 +203,7 @@ class PyExecutor:
         try:
             reqs, segments = self._build_segments(batch)
             num_ctx = len(batch.context_requests)
+            self.prompt_steps += int(num_ctx > 0)
             try:   # a steady-state DSpark step runs as one graph; any other step the target forward
                 launch = self.engine.forward_spec(reqs, segments) if self.drafter is not None and not num_ctx else None
                 out = launch.out if launch is not None else self.engine.forward(segments)
@@ -423,6 +426,7 @@ class PyExecutor:
                                  and len(r.output_token_ids) + q < r.sampling_params.max_tokens)
         kept = [r for r in gens if continues(r)]
         if batch.context_requests or not any(r.request_id in in_step for r in kept):
+            self.reads_before_launch += 1
             self._notices = []
             try:
                 self._complete_spec_inflight()

@@ -120,7 +120,8 @@ class _FakeLLM:
     def get_stats(self):
         with self.lock:
             return {"kv_cache": {"num_pages": 32, "free_pages": 32 - self.in_flight,
-                                 "peak_used_pages": self.kv_peak}}
+                                 "peak_used_pages": self.kv_peak},
+                    "steps": {"total": 7 + self.submitted, "eager": 7 + self.submitted}}
 
     def generate_async(self, ids, params):
         with self.lock:
@@ -152,6 +153,7 @@ def test_run_concurrency_caps_in_flight(c):
     assert llm.submitted == 10 and llm.peak == min(c, 10)
     assert row["num_requests"] == 10 and row["output_tokens"] == 50 and row["input_tokens"] == 30
     assert row["kv_peak_used_tokens"] == 32 * min(c, 10) and row["kv_capacity_tokens"] == 1024
+    assert row["steps"] == {"total": 10, "eager": 10}        # the level's delta of get_stats()["steps"]
 
 
 def test_percentile_and_spec_delta():

@@ -118,3 +118,28 @@ def test_device_fault_fails_queued_and_submitted_requests_and_later_calls_raise(
     with pytest.raises(RuntimeError, match="fatal error.*CUDA error"):
         bounded(lambda: llm.generate("hello world", PARAMS), timeout=10)
     assert llm._bundle.kv.seqs == {}
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_step_stats_count_every_step_once(tiny_llama_dir, tiny_drafters, make_llm, prompts, spec):
+    """get_stats()["steps"]: each step ran one path (the one-graph DSpark step, the target's whole-step
+    graph, piecewise graphs or eager) and the paths add up to the steps; on the CPU (no CUDA graphs)
+    a DSpark engine runs its steady steps as the one-graph step's reference path, a no-spec engine
+    every step eagerly. With more prompts than the batch, prompts arrive while a DSpark step is in
+    flight, which is then read before the next launch. trtllm-bench rows carry the same counts."""
+    from tensorrt_llm.bench.benchmark import run_concurrency
+    kw = {"speculative_config": {"decoding_type": "DSpark", "speculative_model": tiny_drafters["gqa"]}} if spec else {}
+    llm = make_llm(tiny_llama_dir, max_batch_size=3, **kw)
+    before = llm.get_stats()["steps"]
+    assert before == {"total": 0, "with_prompt_chunks": 0, "read_in_flight_first": 0, "one_graph": 0,
+                      "target_graph": 0, "piecewise": 0, "eager": 0}
+    row = run_concurrency(llm, prompts, 3, PARAMS)
+    st = llm.get_stats()["steps"]
+    assert row["steps"] == st                          # the level's delta (the engine was fresh)
+    assert st["total"] == st["one_graph"] + st["target_graph"] + st["piecewise"] + st["eager"]
+    assert st["target_graph"] == st["piecewise"] == 0
+    assert -(-len(prompts) // 3) <= st["with_prompt_chunks"] < st["total"]   # arrivals prefill 3 at most at once
+    if spec:
+        assert st["one_graph"] > st["total"] // 2 and st["read_in_flight_first"] > 0
+    else:
+        assert st["one_graph"] == st["read_in_flight_first"] == 0 and st["eager"] == st["total"]
