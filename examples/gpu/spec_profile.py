@@ -8,7 +8,8 @@ Per arm (no-spec, then each `--drafter NAME=DIR`), FLASHINFER + CUDA graphs, B M
    the device is charged the wait);
 2. GPU kernel time per step from `torch.profiler` over a window of steps (sum of device time of
    all kernels and copies), so wall - GPU is the host-bound share;
-3. cProfile of the executor thread over the same generate, top functions by own time.
+3. cProfile of the executor thread over the same generate, top functions by own time (in the JSON:
+   one file per run, so a device call returns it whole).
 
     python examples/gpu/spec_profile.py --model DIR --prompts eval_prompts.json \
         --drafter gqa=DIR --drafter mla=DIR --batch 64 --max-tokens 256 --out-dir OUT
@@ -18,7 +19,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
-import io
 import json
 import pstats
 import time
@@ -77,8 +77,17 @@ def _gpu_ms_per_step(llm, prompts, params) -> dict:
                            for d, k, c in rows[:25]]}
 
 
+def _cprofile_top(prof: cProfile.Profile, steps: int, n: int = 30) -> list[dict]:
+    """The n functions with the most own time: calls and own / cumulative ms per executor step."""
+    st = pstats.Stats(prof)
+    top = sorted(st.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:n]
+    return [{"function": f"{Path(f).name}:{line}({fn})", "calls_per_step": nc / steps,
+             "own_ms_per_step": 1000 * tt / steps, "cum_ms_per_step": 1000 * ct / steps}
+            for (f, line, fn), (_cc, nc, tt, ct, _callers) in top]
+
+
 def profile_arm(model: str, drafter: str | None, batch: int, max_tokens: int, prompts: list[str],
-                out_dir: Path, name: str, attn_backend: str = "FLASHINFER", graphs: bool = True,
+                name: str, attn_backend: str = "FLASHINFER", graphs: bool = True,
                 kv_max_tokens: int = 262144, compile_regions: bool = False) -> dict:
     from tensorrt_llm import LLM, SamplingParams
     kw = dict(attn_backend=attn_backend, use_cuda_graph=graphs, max_batch_size=batch,
@@ -143,13 +152,10 @@ def profile_arm(model: str, drafter: str | None, batch: int, max_tokens: int, pr
         finally:
             prof.disable()
     ex.step = profiled_step
+    it1 = ex.iterations
     llm.generate(chat, params)
     ex.step = step
-    buf = io.StringIO()
-    st = pstats.Stats(prof, stream=buf)
-    st.sort_stats("tottime").print_stats(45)
-    st.sort_stats("cumulative").print_stats(45)
-    (out_dir / f"cprofile_{name}_b{batch}.txt").write_text(buf.getvalue())
+    res["cprofile_top"] = _cprofile_top(prof, max(ex.iterations - it1, 1))
     llm.shutdown()
     del llm, ex
     gc.collect()
@@ -182,7 +188,7 @@ def main() -> None:
     rows = []
     for b in a.batch:
         for name, path in arms:
-            r = profile_arm(a.model, path, b, a.max_tokens, prompts, out, name, a.attn_backend, not a.no_graphs,
+            r = profile_arm(a.model, path, b, a.max_tokens, prompts, name, a.attn_backend, not a.no_graphs,
                             a.kv_max_tokens, a.compile)
             rows.append(r)
             ph = r["phase_ms_per_step"]
