@@ -87,7 +87,8 @@ class LLM:
         ex = self._executor
         stats = {"iterations": ex.iterations, "kv_cache": kv, "prefix_cache": kv["reuse"],
                  "steps": {"total": ex.iterations, "with_prompt_chunks": ex.prompt_steps,
-                           "read_in_flight_first": ex.reads_before_launch, **dataclasses.asdict(ex.engine.paths)}}
+                           "read_in_flight_first": ex.reads_before_launch,
+                           "prompts_beside_in_flight": ex.prompts_beside_flight, **dataclasses.asdict(ex.engine.paths)}}
         if self._executor.drafter is not None:
             stats["speculative"] = self._executor.drafter.stats()
         return stats

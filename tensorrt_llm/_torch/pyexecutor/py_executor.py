@@ -69,6 +69,8 @@ class PyExecutor:
         self.iterations = 0
         self.prompt_steps = 0            # steps with a prompt chunk
         self.reads_before_launch = 0     # DSpark steps in flight read before the next launch
+        self.prompts_beside_flight = 0   # prompt-only steps launched while a DSpark step ran on
+        self._prompt_only_last = False   # the previous step was one of those
         self.fatal_error: Optional[str] = None
 
     # ---- submission --------------------------------------------------------------------
@@ -176,8 +178,9 @@ class PyExecutor:
         # nothing runs and nothing was scheduled: the head of the queue can never fit (decided before
         # reading a step in flight, whose finished requests free pages for the next admission)
         stalled = batch.empty and bool(self.scheduler.waiting) and not self.scheduler.running
+        prompt_only_before, self._prompt_only_last = self._prompt_only_last, False
         if self._spec_inflight is not None:
-            self._continue_or_complete(batch)
+            self._continue_or_complete(batch, prompt_only_before)
         if batch.empty:
             if self._inflight is not None or self._spec_inflight is not None:
                 self._notices = []
@@ -411,10 +414,13 @@ class PyExecutor:
         if step is not None:
             self._complete(step)
 
-    def _continue_or_complete(self, batch: ScheduledBatch) -> None:
+    def _continue_or_complete(self, batch: ScheduledBatch, prompt_only_before: bool) -> None:
         """With a DSpark step in flight: keep its continuable requests in this step (launched from
         its device rows before it is read) and leave out those it may finish by length (they wait
-        one step); when the step holds prompt chunks, or nothing could continue, read it first."""
+        one step). A step with prompt chunks runs them alone while the step in flight keeps running
+        (read after this launch; its requests continue at the next step, in one graph again), but
+        never twice in a row, so that generation is not held back by a stream of arrivals: then, as
+        when nothing could continue, the step in flight is read first and the step mixes both."""
         step = self._spec_inflight
         ahead = step.ahead
         gens = batch.generation_requests
@@ -425,7 +431,13 @@ class PyExecutor:
             return q is None or (r.request_id in ahead.rows
                                  and len(r.output_token_ids) + q < r.sampling_params.max_tokens)
         kept = [r for r in gens if continues(r)]
-        if batch.context_requests or not any(r.request_id in in_step for r in kept):
+        continuing = any(r.request_id in in_step for r in kept)
+        if batch.context_requests and continuing and not prompt_only_before:
+            batch.generation_requests = []
+            self.prompts_beside_flight += 1
+            self._prompt_only_last = True
+            return
+        if batch.context_requests or not continuing:
             self.reads_before_launch += 1
             self._notices = []
             try:

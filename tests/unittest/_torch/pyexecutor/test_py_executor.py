@@ -131,8 +131,8 @@ def test_step_stats_count_every_step_once(tiny_llama_dir, tiny_drafters, make_ll
     kw = {"speculative_config": {"decoding_type": "DSpark", "speculative_model": tiny_drafters["gqa"]}} if spec else {}
     llm = make_llm(tiny_llama_dir, max_batch_size=3, **kw)
     before = llm.get_stats()["steps"]
-    assert before == {"total": 0, "with_prompt_chunks": 0, "read_in_flight_first": 0, "one_graph": 0,
-                      "target_graph": 0, "piecewise": 0, "eager": 0}
+    assert before == {"total": 0, "with_prompt_chunks": 0, "read_in_flight_first": 0, "prompts_beside_in_flight": 0,
+                      "one_graph": 0, "target_graph": 0, "piecewise": 0, "eager": 0}
     row = run_concurrency(llm, prompts, 3, PARAMS)
     st = llm.get_stats()["steps"]
     assert row["steps"] == st                          # the level's delta (the engine was fresh)
@@ -141,5 +141,21 @@ def test_step_stats_count_every_step_once(tiny_llama_dir, tiny_drafters, make_ll
     assert -(-len(prompts) // 3) <= st["with_prompt_chunks"] < st["total"]   # arrivals prefill 3 at most at once
     if spec:
         assert st["one_graph"] > st["total"] // 2 and st["read_in_flight_first"] > 0
+        assert st["prompts_beside_in_flight"] <= st["with_prompt_chunks"]
     else:
-        assert st["one_graph"] == st["read_in_flight_first"] == 0 and st["eager"] == st["total"]
+        assert st["one_graph"] == st["read_in_flight_first"] == st["prompts_beside_in_flight"] == 0
+        assert st["eager"] == st["total"]
+
+
+def test_prompt_steps_beside_a_dspark_step_in_flight_are_lossless(tiny_llama_dir, tiny_drafters, make_llm, prompts):
+    """Requests that end at different steps let prompts in while others continue: such a step
+    prefills the prompts alone while the DSpark step in flight runs on (its requests continue at the
+    next step); the output equals the no-spec engine's token for token."""
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (40, 17, 29, 8, 33, 21, 12, 40)]
+    want = [o.outputs[0].token_ids for o in make_llm(tiny_llama_dir, max_batch_size=3).generate(prompts, params)]
+    llm = make_llm(tiny_llama_dir, max_batch_size=3,
+                   speculative_config={"decoding_type": "DSpark", "speculative_model": tiny_drafters["gqa"]})
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    st = llm.get_stats()["steps"]
+    assert st["prompts_beside_in_flight"] > 0, st
+    assert got == want
