@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +34,9 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 from sidebyside import DEVICE_CARRY, DEVICE_MODEL, drafter_dir  # noqa: E402
+
+sys.path.insert(0, str(REPO))
+from tensorrt_llm.bench.lm_eval_gsm8k import start_server, stop_server  # noqa: E402
 
 
 def arm_yaml(arm: str, backend: str, device: str, kv_tokens: int, extra: dict, drafters: dict) -> dict:
@@ -65,45 +66,6 @@ def run_bench(argv: list[str], json_out: Path, log: Path, timeout: float) -> dic
     if rc != 0 or not json_out.is_file():
         raise RuntimeError(f"trtllm-bench exited with {rc}:\n{log.read_text()[-2000:]}")
     return json.loads(json_out.read_text())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def serve(model: str, cfg: Path, log: Path, timeout: float) -> tuple[subprocess.Popen, str]:
-    """Start trtllm-serve and wait for /health (the engine is built before the port opens)."""
-    import httpx
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    f = open(log, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "tensorrt_llm.serve.cli", model, "--config", str(cfg),
-                             "--host", "127.0.0.1", "--port", str(port), "--log_level", "warning"],
-                            stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"trtllm-serve exited with {proc.returncode}:\n{log.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    stop(proc)
-    raise RuntimeError(f"trtllm-serve not healthy after {timeout:.0f} s:\n{log.read_text()[-2000:]}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def overhead_rows(arm: str, offline: dict, served: dict) -> list[dict]:
@@ -173,12 +135,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             offline = run_bench(["--model", a.model, "--extra-llm-api-options", str(cfg), *bench_argv(a)],
                                 work / f"{arm}_offline.json", work / f"{arm}_offline.log", a.timeout_s)
             entry["offline"] = {"rows": offline["results"], "capacity": offline["capacity_report"]}
-            proc, url = serve(a.model, cfg, work / f"{arm}_server.log", a.timeout_s)
+            folder = work / f"{arm}_server"
+            folder.mkdir(exist_ok=True)
+            proc, url = start_server(a.model, arm, entry["yaml"], folder, a.timeout_s)   # folder/server.log
             try:
                 served = run_bench(["--backend", "openai", "--base-url", url, *bench_argv(a)],
                                    work / f"{arm}_served.json", work / f"{arm}_client.log", a.timeout_s)
             finally:
-                stop(proc)
+                stop_server(proc)
             entry["served"] = {"rows": served["results"]}
             report["rows"] += overhead_rows(arm, offline, served)
         except (RuntimeError, subprocess.TimeoutExpired) as e:
