@@ -20,10 +20,12 @@ it exports PYTHONPATH / FLASHINFER_WORKSPACE_BASE and puts the model, drafters a
 Rough time of (2) on one H200 at the 2026-12-01 speeds: ~60 s per round of the four arms, plus building
 the three engines and compiling HF (~1-2 min with warm caches); --deadline-s (default 540) starts no
 round that would end past it, and the JSON / markdown are rewritten after every round.
-Device time, measured 2026-12-02: a fresh machine is held ~110-155 s before the first call runs, the
-other three carry parts take ~20 s each, flashinfer's first-use JIT (the first FLASHINFER engine or
-GPU test on a fresh machine) 100 s or more, --anchor ~280 s, the HF arm's compile ~130 s. So a
-session's 30 device-minutes hold one fresh machine with tests and a three-round side by side, not two.
+Device time, measured 2026-12-02: a fresh machine is held ~110-160 s before the first call runs, the
+other three carry parts take ~10-20 s each, flashinfer's first-use JIT (the first FLASHINFER engine or
+GPU test on a fresh machine) 100 s or more (`--backend TRITON` for every arm avoids it), --anchor
+~200-280 s, the HF arm's compile ~100-130 s, building and warming the three engine arms ~105-135 s,
+a round of them ~20 s (~40 s with HF). So a session's 30 device-minutes hold one fresh machine with
+tests and a three-round side by side with HF, or two machines with a short call each.
 """
 from __future__ import annotations
 
