@@ -110,6 +110,16 @@ def _al(row: dict) -> Optional[float]:
     return (row.get("speculative") or {}).get("acceptance_length")
 
 
+def _steps(rs: Sequence[dict]) -> Optional[dict]:
+    """Median over rounds of each `get_stats()["steps"]` count of a level and of its ms per step; None
+    for rows without step counts (the HF arm)."""
+    if not rs or any(not r.get("steps") or not r["steps"].get("total") for r in rs):
+        return None
+    out = {k: statistics.median(r["steps"][k] for r in rs) for k in rs[0]["steps"]}
+    out["ms_per_step"] = statistics.median(1e3 * r["elapsed_s"] / r["steps"]["total"] for r in rs)
+    return out
+
+
 def summarize(rows: Sequence[dict], arm_order: Sequence[str], ratio_to: Optional[str]) -> list[dict]:
     """One entry per (arm, C): tok/s, TPOT and AL spreads over rounds, ratio of medians to ``ratio_to``."""
     out = []
@@ -123,7 +133,7 @@ def summarize(rows: Sequence[dict], arm_order: Sequence[str], ratio_to: Optional
                         "num_requests": rs[0]["num_requests"],
                         "output_tok_s": _spread([r["output_tok_s"] for r in rs]),
                         "tpot_mean_s": _spread([r.get("tpot_mean_s") for r in rs]),
-                        "acceptance_length": _spread([_al(r) for r in rs])})
+                        "acceptance_length": _spread([_al(r) for r in rs]), "steps": _steps(rs)})
     if ratio_to is not None:
         ref = {e["concurrency"]: e["output_tok_s"]["median"] for e in out if e["arm"] == ratio_to}
         for e in out:
@@ -155,7 +165,8 @@ def format_compact(summary: Sequence[dict]) -> str:
 
 
 def format_markdown(summary: Sequence[dict], anchor: Optional[dict] = None) -> str:
-    """Markdown tables: median (min-max) per arm and concurrency; the anchor's ceiling if run."""
+    """Markdown tables: median (min-max) per arm and concurrency; the median step counts per level
+    (`get_stats()["steps"]`, engine arms) and ms per step; the anchor's ceiling if run."""
     ratio_arm = next((e["ratio_to"]["arm"] for e in summary if e.get("ratio_to")), None)
     head = ["arm", "C", "rounds", "requests", "out tok/s median (min-max)", "TPOT ms median (min-max)",
             "AL median (min-max)"] + ([f"x {ratio_arm}"] if ratio_arm else [])
@@ -166,6 +177,14 @@ def format_markdown(summary: Sequence[dict], anchor: Optional[dict] = None) -> s
         if ratio_arm:
             cells.append(f"{e['ratio_to']['median_over_median']:.2f}" if e.get("ratio_to") else "-")
         lines.append("| " + " | ".join(cells) + " |")
+    steps = [e for e in summary if e.get("steps")]
+    if steps:
+        keys = [k for k in steps[0]["steps"] if k not in ("total", "ms_per_step")]
+        lines += ["", "| arm | C | steps | ms / step | " + " | ".join(keys) + " |", "|" + "---|" * (len(keys) + 4)]
+        for e in steps:
+            st = e["steps"]
+            lines.append(f"| {e['arm']} | {e['concurrency']} | {st['total']:,.0f} | {st['ms_per_step']:.2f} | "
+                         + " | ".join(f"{st[k]:,.0f}" for k in keys) + " |")
     if anchor and anchor.get("ceiling"):
         lines += ["", "| anchor (compiled step, random weights) | B | decode step ms | step-only ceiling tok/s "
                       "| 9-token verify ms | kernels/step |", "|---|---|---|---|---|---|"]
