@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 from ..runtime.llm_request import LlmRequest
 from ..runtime.step import DraftsAhead, ForwardOutput, ForwardSegment
@@ -61,3 +61,13 @@ class SpecStep:
         next segment can be launched from the device rows)."""
         return (self.num_ctx == 0 and self.ahead is not None and bool(self.live)
                 and all(self.reqs[i].request_id in self.ahead.rows for i in self.live))
+
+    def continuable(self, gens: Sequence[LlmRequest]) -> tuple[list[LlmRequest], bool]:
+        """(the generating requests the next step may launch before this step is read: those not in
+        it, and those it drafted ahead unless it may finish them by length; whether any of them
+        continues a segment of this step)."""
+        in_step = {self.reqs[i].request_id: len(self.segments[i].token_ids) for i in self.live}
+        rows = self.ahead.rows if self.ahead is not None else {}
+        kept = [r for r in gens if (q := in_step.get(r.request_id)) is None
+                or (r.request_id in rows and len(r.output_token_ids) + q < r.sampling_params.max_tokens)]
+        return kept, any(r.request_id in in_step for r in kept)

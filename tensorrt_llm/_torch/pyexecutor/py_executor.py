@@ -29,6 +29,7 @@ from .kv_cache.resource_manager import KVCacheManager
 from .model_engine import ModelEngine
 from .inflight_steps import OverlapStep, SpecStep, last_token_pending
 from .scheduler import ScheduledBatch, Scheduler
+from .stop_criteria import append_tokens
 
 if TYPE_CHECKING:
     from .spec_step_graph import SpecLaunch
@@ -421,17 +422,8 @@ class PyExecutor:
         (read after this launch; its requests continue at the next step, in one graph again), but
         never twice in a row, so that generation is not held back by a stream of arrivals: then, as
         when nothing could continue, the step in flight is read first and the step mixes both."""
-        step = self._spec_inflight
-        ahead = step.ahead
         gens = batch.generation_requests
-        in_step = {step.reqs[i].request_id: len(step.segments[i].token_ids) for i in step.live}
-
-        def continues(r: LlmRequest) -> bool:
-            q = in_step.get(r.request_id)
-            return q is None or (r.request_id in ahead.rows
-                                 and len(r.output_token_ids) + q < r.sampling_params.max_tokens)
-        kept = [r for r in gens if continues(r)]
-        continuing = any(r.request_id in in_step for r in kept)
+        kept, continuing = self._spec_inflight.continuable(gens)
         if batch.context_requests and continuing and not prompt_only_before:
             batch.generation_requests = []
             self.prompts_beside_flight += 1
@@ -574,29 +566,8 @@ class PyExecutor:
         return done
 
     def _append(self, req: LlmRequest, tokens: list[int]) -> None:
-        """Append newly committed tokens, applying stop criteria in order."""
-        p = req.sampling_params
-        stop_ids, out = req.stop_token_set, req.output_token_ids
-        emitted: list[int] = []
-        for tok in tokens:
-            if tok in stop_ids:
-                req.finish("stop")
-                break
-            out.append(tok)
-            emitted.append(tok)
-            if len(out) >= p.max_tokens:
-                req.finish("length")
-                break
-            if p.stop and self._hit_stop_string(req):     # p.stop set <=> stop_strings non-empty
-                req.finish("stop")
-                break
-        self._notify(req, emitted)
-
-    def _hit_stop_string(self, req: LlmRequest) -> bool:
-        stops = req.sampling_params.stop_strings
-        window = max(len(s) for s in stops) + 8
-        tail = self.decode(req.output_token_ids[-window:])
-        return any(s in tail for s in stops)
+        """Append newly committed tokens, applying stop criteria in order (`stop_criteria`)."""
+        self._notify(req, append_tokens(req, tokens, self.decode))
 
     def _notify(self, req: LlmRequest, new_tokens: list[int]) -> None:
         if self._notices is not None:
