@@ -38,8 +38,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from .interface import (FP8_KV_DTYPES, AttentionBackend, AttentionMetadata, BackendCapabilities, joint_kv,
-                        joint_planes, writable, write_slots)
+from .interface import (FP8_KV_DTYPES, AttentionBackend, AttentionMetadata, BackendCapabilities, writable, write_kv,
+                        write_slots)
 
 
 PAGES_KEY = "flashinfer_pages"
@@ -316,12 +316,7 @@ class FlashInferAttention(AttentionBackend):
         """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: [num_pages, 2, Hkv, P, D] -> [T, Hq, D]."""
         self._check_dtypes(q, kv_cache, fp8_ok=True)
         pages = self._pages(metadata)
-        kv = joint_kv(k, v)
-        if kv is not None:      # one indexed copy covers both planes
-            self._write(joint_planes(kv_cache), 0, kv, metadata, pages)
-        else:
-            self._write(kv_cache, 0, k, metadata, pages)
-            self._write(kv_cache, 1, v, metadata, pages)
+        write_kv(kv_cache, k, v, lambda cache, plane, x: self._write(cache, plane, x, metadata, pages))
         kind, causal = _gqa_kind(pages, metadata)
         key = PlanKey(kind, pages.graph_shape, causal, q.shape[1], k.shape[1], q.shape[2], 0, q.dtype, float(scale),
                       kv_cache.dtype if kv_cache.dtype != q.dtype else None)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import ClassVar, Optional, Sequence
+from typing import Callable, ClassVar, Optional, Sequence
 
 import numpy as np
 import torch
@@ -183,6 +183,19 @@ def joint_planes(kv_cache: torch.Tensor) -> torch.Tensor:
     head p * H + h, so `joint_kv` rows write both planes at once."""
     n, planes, h, p, d = kv_cache.shape
     return kv_cache.view(n, 1, planes * h, p, d)
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             write: Callable[[torch.Tensor, int, torch.Tensor], None]) -> None:
+    """K and V [T, H, D] into planes 0 and 1 of kv_cache [num_pages, 2, H, P, D] through a backend's
+    `write(cache, plane, values)`: one call covering both planes when they are one buffer's halves
+    (`joint_kv`, over `joint_planes`), else one call per plane."""
+    kv = joint_kv(k, v)
+    if kv is not None:
+        write(joint_planes(kv_cache), 0, kv)
+    else:
+        write(kv_cache, 0, k)
+        write(kv_cache, 1, v)
 
 
 FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)

@@ -22,8 +22,7 @@ from itertools import accumulate
 import torch
 
 from .flashinfer_backend import cache_write_rows, scatter_rows
-from .interface import (AttentionBackend, AttentionMetadata, BackendCapabilities, host_ints, joint_kv, joint_planes,
-                        write_slots)
+from .interface import AttentionBackend, AttentionMetadata, BackendCapabilities, host_ints, write_kv, write_slots
 from .cpp_ops import ops_loaded
 from .paged_append import paged_kv_append
 
@@ -108,12 +107,7 @@ class TritonAttention(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, metadata, scale):
         """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: [num_pages, 2, Hkv, P, D] -> [T, Hq, D]."""
-        kv = joint_kv(k, v)
-        if kv is not None:      # one append covers both planes
-            self._write(joint_planes(kv_cache), 0, kv, metadata)
-        else:
-            self._write(kv_cache, 0, k, metadata)
-            self._write(kv_cache, 1, v, metadata)
+        write_kv(kv_cache, k, v, lambda cache, plane, x: self._write(cache, plane, x, metadata))
         return self._attend(q, kv_cache, metadata, scale, q.shape[-1], mla=False)
 
     def forward_mla(self, q, latent, kv_cache, metadata, scale, v_dim):

@@ -11,8 +11,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .interface import (AttentionBackend, AttentionMetadata, BackendCapabilities, joint_kv, joint_planes,
-                        write_slots)
+from .interface import AttentionBackend, AttentionMetadata, BackendCapabilities, write_kv, write_slots
 
 
 class _Layout:
@@ -123,12 +122,7 @@ class VanillaAttention(AttentionBackend):
         metadata.extras.pop("vanilla_layout", None)
 
     def forward(self, q, k, v, kv_cache, metadata, scale):
-        kv = joint_kv(k, v)
-        if kv is not None:      # one write covers both planes
-            write_slots(joint_planes(kv_cache)[:, 0], kv, metadata.slot_mapping)
-        else:
-            write_slots(kv_cache[:, 0], k, metadata.slot_mapping)
-            write_slots(kv_cache[:, 1], v, metadata.slot_mapping)
+        write_kv(kv_cache, k, v, lambda cache, plane, x: write_slots(cache[:, plane], x, metadata.slot_mapping))
         return paged_sdpa(q, kv_cache[:, 0], kv_cache[:, 1], metadata, scale)
 
     def forward_mla(self, q, latent, kv_cache, metadata, scale, v_dim):

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from ..attention_backend.interface import AttentionBackend, AttentionMetadata, joint_kv, joint_planes, write_slots
+from ..attention_backend.interface import AttentionBackend, AttentionMetadata, write_kv, write_slots
 from ..modules.attention import Attention
 from ..modules.fp8_block import FP8BlockLinear
 from ..modules.gated_mlp import GatedMLP
@@ -231,14 +231,15 @@ class DSparkForCausalLMBase(nn.Module, ABC):
         one buffer's halves (the regions') go in with one write.
         """
         self._check_caches(kv_caches)
+
+        def write(cache: torch.Tensor, plane: int, values: torch.Tensor) -> None:
+            write_slots(cache[:, plane], values, slot_mapping, all_valid=slots_valid)
         for layer, cache in zip(self.layers, kv_caches):
             planes = self._context_planes(layer, features, positions)
-            kv = joint_kv(*planes) if len(planes) == 2 else None
-            if kv is not None:
-                write_slots(joint_planes(cache)[:, 0], kv, slot_mapping, all_valid=slots_valid)
-                continue
-            for plane, values in enumerate(planes):
-                write_slots(cache[:, plane], values, slot_mapping, all_valid=slots_valid)
+            if len(planes) == 2:
+                write_kv(cache, *planes, write)
+            else:
+                write(cache, 0, planes[0])
 
     def forward_block(self, block_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
                       kv_caches: Sequence[torch.Tensor], backend: AttentionBackend) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tensorrt_llm._torch.attention_backend.interface import joint_kv, joint_planes, write_slots
+from tensorrt_llm._torch.attention_backend.interface import joint_kv, joint_planes, write_kv, write_slots
 from tensorrt_llm._torch.modules.compiled_regions import attention_inputs
 
 T, H, D, PAGES, P = 5, 3, 8, 4, 4
@@ -55,3 +55,19 @@ def test_layer_regions_give_joint_kv():
     assert q.is_contiguous() and joint_kv(k, v) is not None
     ref = torch.nn.functional.linear(torch.nn.functional.rms_norm(h, (hidden,), torch.ones(hidden), 1e-6), qkv_w)
     assert torch.allclose(v.reshape(T, -1), ref[:, (hq + hkv) * d:], atol=1e-5)
+
+
+def test_write_kv_one_call_for_joint_halves_two_otherwise():
+    """`write_kv` (what every backend's K/V write goes through): one backend write for one buffer's
+    halves, one per plane otherwise; both give the two-plane-write cache."""
+    g = torch.Generator().manual_seed(2)
+    slots = torch.tensor([0, 5, 6, -1, 13])
+    buf = torch.randn(T, 2 * H, D, generator=g)
+    for k, v, calls_wanted in ((buf[:, :H], buf[:, H:], 1), (buf[:, :H].clone(), buf[:, H:].clone(), 2)):
+        cache, calls = torch.zeros(PAGES, 2, H, P, D), []
+
+        def write(c: torch.Tensor, plane: int, x: torch.Tensor) -> None:
+            calls.append(plane)
+            write_slots(c[:, plane], x, slots)
+        write_kv(cache, k, v, write)
+        assert len(calls) == calls_wanted and torch.equal(cache, _two_writes(k, v, slots))
