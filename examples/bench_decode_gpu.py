@@ -81,7 +81,7 @@ def bench_config(path: Path, backend: str, graphs: bool, batch_sizes: list[int])
         if engine.graph_runner is not None:
             print(f"  graphs: {engine.graph_runner.graphs.num_captures} captured, "
                   f"{engine.graph_runner.graphs.num_replays} replays, {engine.piecewise.num_steps} piecewise "
-                  f"steps, {engine.num_eager_steps} eager steps", flush=True)
+                  f"steps, {engine.paths.eager} eager steps", flush=True)
     finally:
         llm.shutdown()
         del llm

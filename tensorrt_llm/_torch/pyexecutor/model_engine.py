@@ -146,10 +146,6 @@ class ModelEngine:
         self.paths.eager += 1
         return self._eager(segments)
 
-    @property
-    def num_eager_steps(self) -> int:
-        return self.paths.eager
-
     def _eager(self, segments: Sequence[ForwardSegment]) -> ForwardOutput:
         """One packed forward of `segments` (any mix of prompt chunks and generation)."""
         ids, pos, rows = [], [], []

@@ -56,7 +56,7 @@ def test_triton_engine_steps_match_vanilla(tiny_llama_dir):
             assert a.logits.shape == b.logits.shape and rel(a.logits, b.logits) < 1e-4
             if a.logits.shape[0] > 1:
                 assert rel(a.logits.roll(1, 0), b.logits) > 0.1
-    assert tri.num_eager_steps == len(steps)
+    assert tri.paths.eager == len(steps)
 
 
 def test_prepare_fills_lengths_and_keeps_a_graphs_tensor():

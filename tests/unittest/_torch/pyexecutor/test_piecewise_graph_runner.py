@@ -225,6 +225,6 @@ def test_mixed_step_piecewise_graphs_match_eager(llama64_dir):
             pos[s.request_id] += len(s.token_ids)
     pw = graph.piecewise
     pieces = graph.model.config.num_hidden_layers + 1
-    assert pw.num_steps == steps and graph.num_eager_steps == 0
+    assert pw.num_steps == steps and graph.paths.eager == 0
     assert pw.graphs.num_replays == steps * pieces and pw.graphs.num_captures == pieces * len(pw._buckets)
     assert graph.graph_runner.num_declined == steps

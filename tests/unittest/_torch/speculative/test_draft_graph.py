@@ -187,7 +187,7 @@ def test_split_steps_with_staggered_arrivals_are_lossless(llama64_dir, tmp_path_
     assert toks == baseline
     # steady steps replay the one-graph step; the others the target's whole-step or piecewise graphs
     assert target.num_declined > 0 and llm_engine.spec_step.graphs.num_replays > 0
-    assert llm_engine.piecewise.num_steps == target.num_declined and llm_engine.num_eager_steps == 0
+    assert llm_engine.piecewise.num_steps == target.num_declined and llm_engine.paths.eager == 0
     assert draft is not None and draft.num_launches > 0 and stats["drafted_requests"] == draft.num_drafted > 0
 
 
@@ -285,7 +285,7 @@ def test_overlapped_dspark_steps_are_lossless_and_never_block(llama64_dir, tmp_p
             for _ in range(20):
                 ex.step()
         assert one_graph.num_launches - launches == 20 == one_graph.graphs.num_replays - replays
-        assert engine.num_continued_steps - continued == 20 and engine.num_eager_steps == 0
+        assert engine.num_continued_steps - continued == 20 and engine.paths.eager == 0
         ex.run_until_idle()
         got = [h.result(timeout=0).outputs[0].token_ids for h in handles]
     assert got == plain == baseline
