@@ -117,6 +117,9 @@ def _steps(rs: Sequence[dict]) -> Optional[dict]:
         return None
     out = {k: statistics.median(r["steps"][k] for r in rs) for k in rs[0]["steps"]}
     out["ms_per_step"] = statistics.median(1e3 * r["elapsed_s"] / r["steps"]["total"] for r in rs)
+    # the share of the executor's step time spent in steps with a prompt chunk
+    out["prompt_step_time_share"] = statistics.median(r["steps"]["seconds_with_prompt_chunks"]
+                                                      / max(r["steps"]["seconds"], 1e-9) for r in rs)
     return out
 
 
@@ -179,12 +182,14 @@ def format_markdown(summary: Sequence[dict], anchor: Optional[dict] = None) -> s
         lines.append("| " + " | ".join(cells) + " |")
     steps = [e for e in summary if e.get("steps")]
     if steps:
-        keys = [k for k in steps[0]["steps"] if k not in ("total", "ms_per_step")]
-        lines += ["", "| arm | C | steps | ms / step | " + " | ".join(keys) + " |", "|" + "---|" * (len(keys) + 4)]
+        skip = ("total", "ms_per_step", "seconds", "seconds_with_prompt_chunks", "prompt_step_time_share")
+        keys = [k for k in steps[0]["steps"] if k not in skip]
+        lines += ["", "| arm | C | steps | ms / step | time in prompt steps | " + " | ".join(keys) + " |",
+                  "|" + "---|" * (len(keys) + 5)]
         for e in steps:
             st = e["steps"]
             lines.append(f"| {e['arm']} | {e['concurrency']} | {st['total']:,.0f} | {st['ms_per_step']:.2f} | "
-                         + " | ".join(f"{st[k]:,.0f}" for k in keys) + " |")
+                         f"{100 * st['prompt_step_time_share']:.0f}% | " + " | ".join(f"{st[k]:,.0f}" for k in keys) + " |")
     if anchor and anchor.get("ceiling"):
         lines += ["", "| anchor (compiled step, random weights) | B | decode step ms | step-only ceiling tok/s "
                       "| 9-token verify ms | kernels/step |", "|---|---|---|---|---|---|"]

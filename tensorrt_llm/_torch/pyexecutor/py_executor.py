@@ -72,6 +72,8 @@ class PyExecutor:
         self.reads_before_launch = 0     # DSpark steps in flight read before the next launch
         self.prompts_beside_flight = 0   # prompt-only steps launched while a DSpark step ran on
         self._prompt_only_last = False   # the previous step was one of those
+        self.step_seconds = 0.0          # wall seconds inside `step` (launches, reads and waits)
+        self.prompt_step_seconds = 0.0   # the share of it in steps with a prompt chunk
         self.fatal_error: Optional[str] = None
 
     # ---- submission --------------------------------------------------------------------
@@ -168,6 +170,16 @@ class PyExecutor:
         With the overlap scheduler the step's tokens stay on the device: the next step is launched
         with them as inputs, and this step's tokens are read (stop criteria applied) one step later,
         while the GPU runs that next step (`OverlapStep`)."""
+        t0, prompts0 = time.perf_counter(), self.prompt_steps
+        try:
+            self._step()
+        finally:
+            dt = time.perf_counter() - t0
+            self.step_seconds += dt
+            if self.prompt_steps != prompts0:
+                self.prompt_step_seconds += dt
+
+    def _step(self) -> None:
         self._apply_aborts_and_releases()
         batch = self.scheduler.schedule()
         for req in batch.failed:                 # refused at admission: that request alone

@@ -60,18 +60,20 @@ def test_summarize_step_counts_median_over_rounds():
     """Engine rows carry the level's `get_stats()["steps"]`: the summary holds their medians and the
     median ms per step (elapsed / total of each round, not a ratio of medians); rows without counts
     (HF) have none, and the markdown gets a steps table for the engine arms only."""
-    steps = [{"total": 100, "one_graph": 80, "with_prompt_chunks": 20}, {"total": 200, "one_graph": 150,
-             "with_prompt_chunks": 50}, {"total": 400, "one_graph": 390, "with_prompt_chunks": 10}]
+    steps = [{"total": 100, "one_graph": 80, "with_prompt_chunks": 20, "seconds": 0.9, "seconds_with_prompt_chunks": 0.45},
+             {"total": 200, "one_graph": 150, "with_prompt_chunks": 50, "seconds": 0.5, "seconds_with_prompt_chunks": 0.1},
+             {"total": 400, "one_graph": 390, "with_prompt_chunks": 10, "seconds": 0.8, "seconds_with_prompt_chunks": 0.2}]
     rows = [{**_row("spec", 64, 1000.0, r), "steps": st, "elapsed_s": el}
             for r, (st, el) in enumerate(zip(steps, [1.0, 0.5, 0.8]))]
     rows += [_row("hf", 64, 500.0, r) for r in range(3)]
     out = sbs.summarize(rows, ["spec", "hf"], ratio_to=None)
-    assert out[0]["steps"] == {"total": 200, "one_graph": 150, "with_prompt_chunks": 20,
-                               "ms_per_step": pytest.approx(2.5)}          # 10.0 / 2.5 / 2.0 ms per step
+    assert out[0]["steps"] == {"total": 200, "one_graph": 150, "with_prompt_chunks": 20, "seconds": 0.8,
+                               "seconds_with_prompt_chunks": 0.2, "ms_per_step": pytest.approx(2.5),   # 10.0 / 2.5 / 2.0
+                               "prompt_step_time_share": pytest.approx(0.25)}   # 0.5 / 0.2 / 0.25 per round
     assert out[1]["steps"] is None
     md = sbs.format_markdown(out).splitlines()
-    assert "| arm | C | steps | ms / step | one_graph | with_prompt_chunks |" in md
-    assert "| spec | 64 | 200 | 2.50 | 150 | 20 |" in md
+    assert "| arm | C | steps | ms / step | time in prompt steps | one_graph | with_prompt_chunks |" in md
+    assert "| spec | 64 | 200 | 2.50 | 25% | 150 | 20 |" in md
     assert sum(line.startswith("| hf |") for line in md) == 1                 # the tok/s table only
 
 
