@@ -74,7 +74,7 @@ def _gpu_ms_per_step(llm, prompts, params) -> dict:
     rows.sort(reverse=True)
     return {"profiled_steps": n, "gpu_ms_per_step": dev_us / 1000 / n, "gpu_ops_per_step": launches / n,
             "top_device": [{"name": k[:90], "ms_per_step": d / 1000 / n, "calls_per_step": c / n}
-                           for d, k, c in rows[:25]]}
+                           for d, k, c in rows[:40]]}
 
 
 def _cprofile_top(prof: cProfile.Profile, steps: int, n: int = 30) -> list[dict]:
