@@ -45,6 +45,9 @@ class BackendCapabilities:
     # reads the KV lengths from `AttentionMetadata.kv_lens_device` (no host plan): a step whose
     # lengths are computed on the GPU can be captured and launched before the host knows them
     device_lengths: bool = False
+    # with device_lengths: ragged queries whose offsets live on the device too
+    # (`AttentionMetadata.qo_indptr_device`), so one captured graph runs any mix of segments
+    ragged_graphs: bool = False
 
 
 @dataclass
@@ -69,6 +72,11 @@ class AttentionMetadata:
     kv_lens_device: Optional[torch.Tensor] = None
     # with kv_lens_device: a host upper bound of every KV length (None: the block tables' width)
     kv_len_bound: Optional[int] = None
+    # [B + 1] int32 on the device: request b's new tokens are rows qo_indptr_device[b]..[b + 1] - 1 (a
+    # captured step of any mix of segments, backends with `ragged_graphs`), with max_q_bound a host
+    # bound of any request's new tokens; seq_lens and num_cached are then placeholders
+    qo_indptr_device: Optional[torch.Tensor] = None
+    max_q_bound: Optional[int] = None
     # every slot_mapping entry >= 0, when the producer knows it on the host (None: backends look at
     # the device tensor once, a sync)
     slots_all_valid: Optional[bool] = None

@@ -6,12 +6,13 @@ the kernel reads (`triton_paged_kernel`). Two uses:
   computes `md.kv_lens_device` itself (`DraftGraphRunner`);
 * any step when chosen as the engine's `attn_backend: TRITON` (an explicit choice; AUTO does
   not pick it): `prepare` sends the host lengths with one non-blocking copy (into a persistent
-  tensor for a captured graph's metadata), and ragged steps (prompt chunks) carry `qo_indptr`.
+  tensor for a captured graph's metadata), and ragged steps (prompt chunks) carry `qo_indptr`;
+  a captured ragged step (`PackedGraphRunner`) brings its own device lengths and query offsets.
 New K/V (latents) are written first at `md.slot_mapping`: by the C++ page-bounded append where it is
-built (`paged_append.py`: a slot outside its request's pages is refused in the kernel), else by a
-scatter, where a step with -1 slots (writes beyond a request's pages, skipped) is found once in
-`prepare`. triton is imported inside methods, so this
-module imports on a CPU-only install.
+built (`paged_append.py`: a slot outside its request's pages is refused in the kernel and counted
+into this backend's persistent counter, `refused_writes`), else by a scatter, where a step with -1
+slots (writes beyond a request's pages, skipped) is found once in `prepare`. triton is imported
+inside methods, so this module imports on a CPU-only install.
 """
 from __future__ import annotations
 
@@ -34,12 +35,14 @@ class TritonAttention(AttentionBackend):
 
     name = "TRITON"
     capabilities = BackendCapabilities(paged=True, mla=True, non_causal_block=True, sliding_window=False,
-                                       fp8_kv=False, cuda_graphs=True, devices=("cuda",), device_lengths=True)
+                                       fp8_kv=False, cuda_graphs=True, devices=("cuda",), device_lengths=True,
+                                       ragged_graphs=True)
 
     def __init__(self, num_splits: Optional[int] = None):
         """num_splits: KV splits per program (a power of two <= 16; None: sized by the grid, see
         `triton_paged_kernel.default_num_splits`)."""
         self.num_splits = num_splits
+        self._refused: dict[torch.device, torch.Tensor] = {}   # [1] int32 per device, never re-zeroed
 
     @classmethod
     def availability(cls, device: torch.device) -> tuple[bool, str]:
@@ -62,6 +65,7 @@ class TritonAttention(AttentionBackend):
         if md.sliding_window is not None:
             raise ValueError("attention backend TRITON does not support sliding windows")
         dev = md.block_tables.device
+        self._counter(dev)          # allocated (and zeroed) here, outside any CUDA-graph capture
         if md.kv_lens_device is None:
             lens = host_ints(md.kv_lens, dev, torch.int32)
             kept = md.extras.get(LENS_KEY)
@@ -69,11 +73,24 @@ class TritonAttention(AttentionBackend):
                 kept.copy_(lens, non_blocking=True)    # a captured graph reads this tensor
             else:
                 md.extras[LENS_KEY] = lens
-        if len(set(md.seq_lens)) > 1:
+        if md.qo_indptr_device is not None:
+            md.extras[QO_KEY] = md.qo_indptr_device
+        elif len(set(md.seq_lens)) > 1:
             md.extras[QO_KEY] = host_ints(list(accumulate(md.seq_lens, initial=0)), dev, torch.int32)
         else:
             md.extras.pop(QO_KEY, None)
         md.extras[VALID_KEY] = md.all_slots_valid()
+
+    def _counter(self, device: torch.device) -> torch.Tensor:
+        c = self._refused.get(device)
+        if c is None:
+            c = self._refused[device] = torch.zeros(1, dtype=torch.int32, device=device)
+        return c
+
+    def refused_writes(self) -> int:
+        """K/V writes the C++ append refused since this backend was made (slots outside their
+        request's pages), over all devices; a sync."""
+        return sum(int(c.item()) for c in self._refused.values())
 
     def _extras(self, md: AttentionMetadata) -> dict:
         if VALID_KEY not in md.extras:
@@ -85,7 +102,7 @@ class TritonAttention(AttentionBackend):
         if ops_loaded():   # the C++ op: one kernel, each slot checked against its request's pages
             qo = ex.get(QO_KEY)
             paged_kv_append(values, kv_cache, md.slot_mapping, md.block_tables, qo,
-                            0 if qo is not None else md.seq_lens[0], plane)
+                            0 if qo is not None else md.seq_lens[0], plane, self._counter(values.device))
             return
         if not ex[VALID_KEY]:
             write_slots(kv_cache[:, plane], values, md.slot_mapping)
@@ -103,7 +120,7 @@ class TritonAttention(AttentionBackend):
         qo = ex.get(QO_KEY)
         return paged_attention(q.contiguous(), kv_cache, md.block_tables, lens, scale, md.causal, v_dim, mla,
                                num_splits=self.num_splits,
-                               qo_indptr=qo, max_q=max(md.seq_lens) if qo is not None else 0)
+                               qo_indptr=qo, max_q=0 if qo is None else md.max_q_bound or max(md.seq_lens))
 
     def forward(self, q, k, v, kv_cache, metadata, scale):
         """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: [num_pages, 2, Hkv, P, D] -> [T, Hq, D]."""

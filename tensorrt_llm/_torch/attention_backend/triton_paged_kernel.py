@@ -68,6 +68,11 @@ def _paged_attention_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cp, s
     acc = tl.zeros([BLOCK_M, DV], tl.float32)
     offs = tl.arange(0, PAGE)
     n_pages = tl.cdiv(kv_len, PAGE)
+    first_row = (tl.program_id(2) // SPLIT) * BLOCK_M
+    if CAUSAL:   # pages past the block's last query position hold only masked keys: not walked
+        last_q = tl.minimum((first_row + BLOCK_M - 1) // G, n_q - 1)
+        n_pages = tl.minimum(n_pages, tl.cdiv(kv_len - n_q + last_q + 1, PAGE))
+    n_pages = tl.where(first_row < n_q * G, n_pages, 0)     # a block without query rows walks nothing
     per_split = tl.cdiv(n_pages, SPLIT)
     j_end = tl.minimum(n_pages, (split + 1) * per_split)
     for j in range(split * per_split, j_end):

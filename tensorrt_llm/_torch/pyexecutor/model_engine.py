@@ -18,6 +18,7 @@ from ..runtime.step import ForwardOutput, ForwardSegment
 from ..runtime.token_rows import gather_shifts
 from .cuda_graph_runner import CUDAGraphRunner, stage_input_ids
 from .kv_cache.resource_manager import KVCacheManager
+from .packed_graph_runner import PackedGraphRunner
 from .piecewise_graph_runner import PiecewiseGraphRunner
 
 if TYPE_CHECKING:
@@ -32,7 +33,8 @@ class StepPaths:
 
     one_graph: int = 0      # verify, acceptance and draft step as one graph (`SpecStepGraph`)
     target_graph: int = 0   # the target's whole-step CUDA graph
-    piecewise: int = 0      # piecewise CUDA graphs (prompt chunks and the steps they join)
+    packed_graph: int = 0   # one packed-step graph (prompt chunks and the steps they join; `ragged_graphs` backends)
+    piecewise: int = 0      # piecewise CUDA graphs (the same steps on other backends)
     eager: int = 0          # no graph
 
 
@@ -41,8 +43,9 @@ class ModelEngine:
 
     With `use_cuda_graph`, a step whose segments all have one decode / verify shape replays one
     captured graph (`CUDAGraphRunner`); any other step (prompt chunks, mixed lengths, clamped
-    pages) replays the piecewise graphs around eager attention (`PiecewiseGraphRunner`); a step
-    beyond the largest token bucket runs eagerly. With a device draft step, a steady-state DSpark
+    pages) replays one packed-step graph when the backend reads query offsets and lengths on the
+    device (`PackedGraphRunner`, TRITON), else the piecewise graphs around eager attention
+    (`PiecewiseGraphRunner`); a step beyond the largest token bucket runs eagerly. With a device draft step, a steady-state DSpark
     step runs verify, acceptance and drafting as one graph (`forward_spec`, `SpecStepGraph`).
     """
 
@@ -64,25 +67,33 @@ class ModelEngine:
                              f"(pool dtype {kv_dtype}); use kv_cache_config.dtype='auto'")
         self.graph_runner: Optional[CUDAGraphRunner] = None
         self.piecewise: Optional[PiecewiseGraphRunner] = None
+        self.packed: Optional[PackedGraphRunner] = None
         if use_cuda_graph:
             self.graph_runner = CUDAGraphRunner(model, kv, backend, self.kv_caches, device, max_batch_size,
                                                 token_counts=sorted({1, tokens_per_gen, *verify_widths}),
                                                 capture_layer_ids=self.capture_layer_ids)
-            self.piecewise = PiecewiseGraphRunner(model, kv, backend, self.kv_caches, device,
-                                                  max(max_num_tokens, tokens_per_gen), self.capture_layer_ids)
+            max_tokens = max(max_num_tokens, tokens_per_gen)
+            if backend.capabilities.ragged_graphs:
+                self.packed = PackedGraphRunner(model, kv, backend, self.kv_caches, device, max_tokens,
+                                                max_batch_size, self.capture_layer_ids)
+            else:
+                self.piecewise = PiecewiseGraphRunner(model, kv, backend, self.kv_caches, device, max_tokens,
+                                                      self.capture_layer_ids)
         self.max_shift = tokens_per_gen  # a continued segment starts at most this many positions late
         self.paths = StepPaths()
         self.num_continued_steps = 0     # steps launched from the device rows of the step in flight
         self.spec_step: Optional["SpecStepGraph"] = None   # set by the creator with a device draft step
 
     def capture_graphs(self, continued: bool) -> int:
-        """Capture every CUDA graph a step may replay (whole-step entries, piecewise token buckets, the
+        """Capture every CUDA graph a step may replay (whole-step entries, packed or piecewise token buckets, the
         one-graph DSpark step) now, so no serving step waits for a capture; continued: the entries of
         continued segments too (overlapped DSpark steps). A one-graph step the runtime refuses to
         capture is turned off (logged), as in `forward_spec`. Returns how many were captured."""
         n = 0
         if self.graph_runner is not None:
             n += self.graph_runner.capture_all(continued)
+        if self.packed is not None:
+            n += self.packed.capture_all()
         if self.piecewise is not None:
             n += self.piecewise.capture_all()
         if self.spec_step is not None:
@@ -138,6 +149,10 @@ class ModelEngine:
             out = self.graph_runner.run(segments)
             if out is not None:
                 self.paths.target_graph += 1
+                return out
+            out = self.packed.run(segments) if self.packed is not None else None
+            if out is not None:
+                self.paths.packed_graph += 1
                 return out
             out = self.piecewise.run(segments) if self.piecewise is not None else None
             if out is not None:

@@ -61,6 +61,64 @@ def token_buckets(max_tokens: int) -> list[int]:
 
 
 @dataclass
+class PackedSegments:
+    """Where a step's segments landed in a packed token axis (staged by `pack_segments`)."""
+
+    token_offsets: list[int]          # first row of each segment
+    logits_offsets: list[int]         # first logits row of each segment
+    logit_rows: list[int]             # the packed rows whose logits are wanted, in order
+    device_rows: list[TokenRow]       # tokens still on the device ...
+    device_at: list[int]              # ... and the packed row of the first of each
+
+    def gather_device_tokens(self, input_ids: torch.Tensor) -> None:
+        """Write the device-resident tokens into input_ids [T] (on the device, queued behind the steps
+        that made them; after the host ids were copied in)."""
+        for pend, at, toks in group_by_pending(self.device_rows, self.device_at):
+            width = pend.width
+            dst = [a + i for a, t in zip(at, toks) for i in range(len(t))]
+            src = [t.index * width + t.offset + i for t in toks for i in range(len(t))]
+            input_ids.index_copy_(0, host_ints(dst, input_ids.device),
+                                  pend.device.reshape(-1).index_select(0, host_ints(src, input_ids.device)))
+
+    def output(self, model: torch.nn.Module, hidden: torch.Tensor, captured: Optional[torch.Tensor]
+               ) -> ForwardOutput:
+        """The step's output from hidden [n, H] (final-normed) and captured [n, c*H] of the real rows."""
+        rows = self.logit_rows
+        logits = (model.compute_logits(hidden[host_ints(rows, hidden.device)]) if rows
+                  else hidden.new_zeros(0, 1).float())
+        return ForwardOutput(logits, self.logits_offsets, captured, self.token_offsets)
+
+
+def pack_segments(segments: Sequence[ForwardSegment], lens: Sequence[int], ids: np.ndarray, pos: np.ndarray
+                  ) -> PackedSegments:
+    """Stage segments packed in step order into host ids / positions [T] int64 (rows past the real
+    tokens zeroed); tokens still on the device are left to `PackedSegments.gather_device_tokens`."""
+    token_offsets, logits_offsets, rows = [], [], []
+    dev_rows: list[TokenRow] = []
+    dev_at: list[int] = []
+    o = 0
+    for seg, k in zip(segments, lens):
+        token_offsets.append(o)
+        logits_offsets.append(len(rows))
+        toks = seg.token_ids
+        if isinstance(toks, VerifyTokens):       # anchor here, drafts gathered on the device
+            ids[o] = toks.anchor
+            dev_rows.append(toks.drafts)
+            dev_at.append(o + 1)
+        elif isinstance(toks, TokenRow):         # the overlap scheduler's token, still on the device
+            dev_rows.append(toks)
+            dev_at.append(o)
+        else:
+            ids[o:o + k] = toks
+        pos[o:o + k] = np.arange(seg.start, seg.start + k)
+        rows.extend(range(o + k - seg.num_logits, o + k))
+        o += k
+    ids[o:] = 0
+    pos[o:] = 0
+    return PackedSegments(token_offsets, logits_offsets, rows, dev_rows, dev_at)
+
+
+@dataclass
 class PieceOutputs:
     """What one piece leaves for the next (persistent tensors of its graph)."""
 
@@ -122,37 +180,10 @@ class PiecewiseGraphRunner:
         if b.copied is not None:
             b.copied.synchronize()    # the previous step of this bucket has left the staging buffer
         host = b.host
-        ids, pos = host[0].numpy(), host[1].numpy()
-        token_offsets, logits_offsets, rows = [], [], []
-        dev_rows: list[TokenRow] = []      # device-resident tokens and the offset of their first input row
-        dev_at: list[int] = []
-        o = 0
-        for seg, k in zip(segments, lens):
-            token_offsets.append(o)
-            logits_offsets.append(len(rows))
-            toks = seg.token_ids
-            if isinstance(toks, VerifyTokens):       # anchor here, drafts gathered on the device
-                ids[o] = toks.anchor
-                dev_rows.append(toks.drafts)
-                dev_at.append(o + 1)
-            elif isinstance(toks, TokenRow):         # the overlap scheduler's token, still on the device
-                dev_rows.append(toks)
-                dev_at.append(o)
-            else:
-                ids[o:o + k] = toks
-            pos[o:o + k] = np.arange(seg.start, seg.start + k)
-            rows.extend(range(o + k - seg.num_logits, o + k))
-            o += k
-        ids[n:] = 0
-        pos[n:] = 0
+        packed = pack_segments(segments, lens, host[0].numpy(), host[1].numpy())
         b.input_ids.copy_(host[0], non_blocking=True)
         b.positions.copy_(host[1], non_blocking=True)
-        for pend, at, toks in group_by_pending(dev_rows, dev_at):   # queued behind the step that made them
-            width = pend.width
-            dst = [a + i for a, t in zip(at, toks) for i in range(len(t))]
-            src = [t.index * width + t.offset + i for t in toks for i in range(len(t))]
-            b.input_ids.index_copy_(0, host_ints(dst, self.device),
-                                    pend.device.reshape(-1).index_select(0, host_ints(src, self.device)))
+        packed.gather_device_tokens(b.input_ids)       # queued behind the steps that made them
         if self.device.type == "cuda":
             b.copied = torch.cuda.Event()
             b.copied.record()
@@ -165,11 +196,8 @@ class PiecewiseGraphRunner:
             b.o[:n].copy_(layer.self_attn.core(q, k, v, self.kv_caches[i], md, self.backend))
             out = self._replay(b, i + 1)
         self.num_steps += 1
-        sel = host_ints(rows, self.device)
-        hidden = out.h[:n]
-        logits = self.model.compute_logits(hidden[sel]) if rows else hidden.new_zeros(0, 1).float()
         cap = torch.cat(out.captured, dim=-1)[:n] if out.captured else None
-        return ForwardOutput(logits, logits_offsets, cap, token_offsets)
+        return packed.output(self.model, out.h[:n], cap)
 
     @torch.inference_mode()
     def capture_all(self) -> int:

@@ -183,6 +183,16 @@ class KVCacheManager:
         self._num_pages[seq.row] = len(seq.pages)
         return len(seq.pages) * self.tokens_per_block
 
+    def ensure_capacity_batch(self, req_ids: Sequence[int], num_tokens: Sequence[int]) -> None:
+        """`ensure_capacity(req_ids[i], num_tokens[i])` for each request, calling it only for those
+        whose owned pages fall short (one vectorised check: a step's requests mostly own enough)."""
+        if not req_ids:
+            return
+        need = np.fromiter(num_tokens, dtype=np.int64, count=len(req_ids))
+        short = np.flatnonzero(need > self._num_pages[self.rows(req_ids)] * self.tokens_per_block)
+        for i in short.tolist():
+            self.ensure_capacity(req_ids[i], int(need[i]))
+
     def owned_tokens(self, req_id: int) -> int:
         return len(self.seqs[req_id].pages) * self.tokens_per_block
 
@@ -250,14 +260,31 @@ class KVCacheManager:
             pos = pos + np.arange(count, dtype=np.int64)
         return self._slots_at(rows.reshape(-1, 1), pos)
 
+    def owns_span(self, rows: np.ndarray, starts: np.ndarray, count: int | np.ndarray) -> np.ndarray:
+        """[B] bool: every position starts[b]..starts[b]+count[b]-1 (count >= 1) lies in the pages the
+        request of page-table row rows[b] owns, i.e. `(slots_batch(...) >= 0).all(1)` without building
+        the slots: a request's pages fill a prefix of its row (`ensure_capacity` appends)."""
+        return (starts >= 0) & (starts + count <= self._num_pages[rows] * self.tokens_per_block)
+
+    def packed_slots(self, rows: np.ndarray, starts: Sequence[int] | np.ndarray, lengths: Sequence[int] | np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        """Packed segments (segment i: page-table row rows[i], positions starts[i]..starts[i]+lengths[i]-1)
+        -> (positions [T], flat slots [T]) int64, T = sum(lengths); -1 slots beyond the owned pages."""
+        lens = np.asarray(lengths, dtype=np.int64)
+        seg = np.repeat(np.arange(len(lens)), lens)                        # [T] segment of each token
+        first = np.zeros(len(lens), dtype=np.int64)
+        np.cumsum(lens[:-1], out=first[1:])
+        pos = np.asarray(starts, dtype=np.int64)[seg] + np.arange(int(lens.sum()), dtype=np.int64) - first[seg]
+        return pos, self._slots_at(rows[seg], pos)
+
     def _slots_at(self, rows: np.ndarray, pos: np.ndarray) -> np.ndarray:
         """Flat slots of positions `pos` in the page-table rows `rows` (broadcast together, int64);
         -1 where the page is not allocated or lies past the table."""
         p, width = self.tokens_per_block, self._table.shape[1]
-        bi = pos // p
+        bi, off = np.divmod(pos, p)
         col = np.minimum(np.maximum(bi, 0), width - 1)      # == bi iff the block is inside the table
         pages = self._table[rows, col]
-        slots = pages * p + pos % p
+        slots = pages * p + off
         slots[(pages < 0) | (bi != col)] = -1
         return slots
 
@@ -271,6 +298,11 @@ class KVCacheManager:
     def reset_peak(self) -> None:
         """Restart report()["peak_used_pages"] (exact: tracked at every page allocation)."""
         self.pool.reset_min_free()
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether committed blocks are published for reuse (without it `commit` has nothing to do)."""
+        return self.pool.enable_reuse
 
     def wants_commit(self, req_id: int, num_committed: int) -> bool:
         """Cheap check: could `commit` publish a new block now? (lets callers skip building tokens)"""
@@ -292,7 +324,7 @@ class KVCacheManager:
         that were waiting for it."""
         seq = self.seqs[req_id]
         seq.num_draft_valid_tokens = max(seq.num_draft_valid_tokens, min(num_tokens, len(seq.pages) * self.tokens_per_block))
-        if seq.num_committed:
+        if seq.num_committed and self.pool.enable_reuse:
             self._publish(seq)
 
     def _publish(self, seq: SequenceBlocks) -> None:
@@ -325,12 +357,7 @@ class KVCacheManager:
         slots beyond a request's owned pages are -1 (the write is skipped). A few numpy ops whatever
         the batch; the tables travel from pinned memory without waiting for the GPU."""
         rows = self.rows(request_ids)
-        lens = np.asarray(lengths, dtype=np.int64)
-        seg = np.repeat(np.arange(len(lens)), lens)                        # [T] segment of each token
-        first = np.zeros(len(lens), dtype=np.int64)
-        np.cumsum(lens[:-1], out=first[1:])
-        pos = np.asarray(starts, dtype=np.int64)[seg] + np.arange(int(lens.sum()), dtype=np.int64) - first[seg]
-        slots = self._slots_at(rows[seg], pos)
+        _, slots = self.packed_slots(rows, starts, lengths)
         n_pages = max(int(self._num_pages[rows].max()), 1) if len(rows) else 1
         return AttentionMetadata(seq_lens=list(lengths), num_cached=list(starts),
                                  block_tables=host_ints(self._table[rows, :n_pages], self.device, torch.int32),

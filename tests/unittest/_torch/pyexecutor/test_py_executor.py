@@ -132,15 +132,15 @@ def test_step_stats_count_every_step_once(tiny_llama_dir, tiny_drafters, make_ll
     llm = make_llm(tiny_llama_dir, max_batch_size=3, **kw)
     before = llm.get_stats()["steps"]
     assert before == {"total": 0, "with_prompt_chunks": 0, "read_in_flight_first": 0, "prompts_beside_in_flight": 0,
-                      "one_graph": 0, "target_graph": 0, "piecewise": 0, "eager": 0,
+                      "one_graph": 0, "target_graph": 0, "packed_graph": 0, "piecewise": 0, "eager": 0,
                       "seconds": 0.0, "seconds_with_prompt_chunks": 0.0}
     row = run_concurrency(llm, prompts, 3, PARAMS)
     st = llm.get_stats()["steps"]
     assert row["steps"] == st                          # the level's delta (the engine was fresh)
     # step time: inside the level's wall time, the prompt steps' share of it positive and partial
     assert 0 < st["seconds_with_prompt_chunks"] < st["seconds"] <= row["elapsed_s"]
-    assert st["total"] == st["one_graph"] + st["target_graph"] + st["piecewise"] + st["eager"]
-    assert st["target_graph"] == st["piecewise"] == 0
+    assert st["total"] == st["one_graph"] + st["target_graph"] + st["packed_graph"] + st["piecewise"] + st["eager"]
+    assert st["target_graph"] == st["packed_graph"] == st["piecewise"] == 0
     assert -(-len(prompts) // 3) <= st["with_prompt_chunks"] < st["total"]   # arrivals prefill 3 at most at once
     if spec:
         assert st["one_graph"] > st["total"] // 2 and st["read_in_flight_first"] > 0
