@@ -17,7 +17,9 @@
 //   qo_indptr    [B + 1] int32 (ragged steps: request b owns tokens qo_indptr[b]..qo_indptr[b+1]-1),
 //                or none with tokens_per_seq > 0 (request b owns tokens b*q..b*q+q-1)
 //   plane        which plane of the cache (0: K or latent, 1: V)
-//   returns      [1] int32: writes refused because the slot's page is not one of its request's
+//   refused      [1] int32, the caller's counter: each write refused because the slot's page is not
+//                one of its request's adds 1 (never zeroed here, so a persistent counter needs no
+//                fill per call and a CUDA-graph replay accumulates into it)
 //
 // A slot whose page is not in its request's block-table row (another request's page, a page past
 // the ones it owns, or outside the pool) is refused in the kernel, never written: the page bound
@@ -52,7 +54,7 @@ void check_on(const at::Tensor& t, const char* name, const at::Device& device) {
 
 void check_paged_kv_append(const at::Tensor& values, const at::Tensor& kv_cache, const at::Tensor& slot_mapping,
                            const at::Tensor& block_tables, const std::optional<at::Tensor>& qo_indptr,
-                           int64_t tokens_per_seq, int64_t plane) {
+                           int64_t tokens_per_seq, int64_t plane, const at::Tensor& refused) {
   TORCH_CHECK_VALUE(values.dim() == 3, "DSpark values must be [T, H, D], got ", values.dim(), "-D");
   TORCH_CHECK_VALUE(kv_cache.dim() == 5, "DSpark kv_cache must be [pages, planes, H, P, D], got ", kv_cache.dim(),
                     "-D");
@@ -90,11 +92,15 @@ void check_paged_kv_append(const at::Tensor& values, const at::Tensor& kv_cache,
                       "DSpark tokens_per_seq must split the ", values.size(0), " tokens over ", b,
                       " requests without qo_indptr, got ", tokens_per_seq);
   }
+  TORCH_CHECK_VALUE(refused.scalar_type() == at::kInt, "DSpark refused must be Int, got ", refused.scalar_type());
+  TORCH_CHECK_VALUE(refused.dim() == 1 && refused.size(0) == 1, "DSpark refused must be [1], got ",
+                    shape_str(refused));
   const at::Device device = values.device();
   check_on(kv_cache, "kv_cache", device);
   check_on(slot_mapping, "slot_mapping", device);
   check_on(block_tables, "block_tables", device);
   if (qo_indptr.has_value()) check_on(*qo_indptr, "qo_indptr", device);
+  check_on(refused, "refused", device);
   TORCH_CHECK_VALUE(values.stride(2) == 1 && values.stride(1) == values.size(2),
                     "DSpark values must have contiguous heads and dims (strides [*, ", values.size(2), ", 1]), got ",
                     values.strides());
@@ -182,11 +188,10 @@ void append_cpu(const V* values, int64_t value_stride, C* cache, const int64_t* 
   }
 }
 
-at::Tensor paged_kv_append_cpu(const at::Tensor& values, at::Tensor& kv_cache, const at::Tensor& slot_mapping,
-                               const at::Tensor& block_tables, const std::optional<at::Tensor>& qo_indptr,
-                               int64_t tokens_per_seq, int64_t plane) {
-  check_paged_kv_append(values, kv_cache, slot_mapping, block_tables, qo_indptr, tokens_per_seq, plane);
-  auto refused = at::zeros({1}, values.options().dtype(at::kInt));
+void paged_kv_append_cpu(const at::Tensor& values, at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+                         const at::Tensor& block_tables, const std::optional<at::Tensor>& qo_indptr,
+                         int64_t tokens_per_seq, int64_t plane, at::Tensor& refused) {
+  check_paged_kv_append(values, kv_cache, slot_mapping, block_tables, qo_indptr, tokens_per_seq, plane, refused);
   const int32_t* qo = qo_indptr.has_value() ? qo_indptr->data_ptr<int32_t>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, values.scalar_type(), "dspark_paged_kv_append", [&] {
     using V = scalar_t;
@@ -203,7 +208,6 @@ at::Tensor paged_kv_append_cpu(const at::Tensor& values, at::Tensor& kv_cache, c
       default: run(kv_cache.data_ptr<V>());
     }
   });
-  return refused;
 }
 
 }  // namespace
@@ -212,7 +216,7 @@ at::Tensor paged_kv_append_cpu(const at::Tensor& values, at::Tensor& kv_cache, c
 TORCH_LIBRARY(trtllm, m) {
   m.def(
       "dspark_paged_kv_append(Tensor values, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, "
-      "Tensor? qo_indptr, int tokens_per_seq, int plane) -> Tensor");
+      "Tensor? qo_indptr, int tokens_per_seq, int plane, Tensor(b!) refused) -> ()");
   m.def("dspark_quantize_ue8m0(Tensor x, int group) -> (Tensor, Tensor)");
 }
 

@@ -12,11 +12,11 @@ namespace trtllm_dspark {
 // tensorrt_llm/_torch/attention_backend/paged_append.py mirrors).
 void check_paged_kv_append(const at::Tensor& values, const at::Tensor& kv_cache, const at::Tensor& slot_mapping,
                            const at::Tensor& block_tables, const std::optional<at::Tensor>& qo_indptr,
-                           int64_t tokens_per_seq, int64_t plane);
+                           int64_t tokens_per_seq, int64_t plane, const at::Tensor& refused);
 
-at::Tensor paged_kv_append_cuda(const at::Tensor& values, at::Tensor& kv_cache, const at::Tensor& slot_mapping,
-                                const at::Tensor& block_tables, const std::optional<at::Tensor>& qo_indptr,
-                                int64_t tokens_per_seq, int64_t plane);
+void paged_kv_append_cuda(const at::Tensor& values, at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+                          const at::Tensor& block_tables, const std::optional<at::Tensor>& qo_indptr,
+                          int64_t tokens_per_seq, int64_t plane, at::Tensor& refused);
 
 // Validates the input of trtllm::dspark_quantize_ue8m0 (ValueError; mirrored by
 // tensorrt_llm/_torch/modules/fp8_block.py).

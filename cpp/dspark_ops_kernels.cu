@@ -1,7 +1,8 @@
 // CUDA kernels of the DSpark ops (semantics and validation: dspark_ops.cpp).
 // One block per token: it finds the token's request (qo_indptr, or t / tokens_per_seq), checks in
 // parallel that the slot's page is one of that request's block-table entries, and then copies the
-// token's H x D values into the page (cast to the cache dtype); a refused write is counted.
+// token's H x D values into the page (cast to the cache dtype); a refused write adds 1 to the
+// caller's counter (atomicAdd; the op never zeroes it, so it launches this one kernel only).
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -107,14 +108,13 @@ std::tuple<at::Tensor, at::Tensor> quantize_ue8m0_cuda(const at::Tensor& x, int6
   return {q, scale};
 }
 
-at::Tensor paged_kv_append_cuda(const at::Tensor& values, at::Tensor& kv_cache, const at::Tensor& slot_mapping,
-                                const at::Tensor& block_tables, const std::optional<at::Tensor>& qo_indptr,
-                                int64_t tokens_per_seq, int64_t plane) {
-  check_paged_kv_append(values, kv_cache, slot_mapping, block_tables, qo_indptr, tokens_per_seq, plane);
+void paged_kv_append_cuda(const at::Tensor& values, at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+                          const at::Tensor& block_tables, const std::optional<at::Tensor>& qo_indptr,
+                          int64_t tokens_per_seq, int64_t plane, at::Tensor& refused) {
+  check_paged_kv_append(values, kv_cache, slot_mapping, block_tables, qo_indptr, tokens_per_seq, plane, refused);
   const c10::cuda::CUDAGuard guard(values.device());
-  auto refused = at::zeros({1}, values.options().dtype(at::kInt));
   const int64_t t_n = values.size(0);
-  if (t_n == 0) return refused;
+  if (t_n == 0) return;
   const int32_t* qo = qo_indptr.has_value() ? qo_indptr->data_ptr<int32_t>() : nullptr;
   auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, values.scalar_type(), "dspark_paged_kv_append", [&] {
@@ -133,7 +133,6 @@ at::Tensor paged_kv_append_cuda(const at::Tensor& values, at::Tensor& kv_cache, 
     }
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return refused;
 }
 
 }  // namespace trtllm_dspark

@@ -6,7 +6,9 @@ own pages, refusing (never writing) a slot whose page is not one of its request'
     slot_mapping [T] int64  page * P + offset; -1 = no write (skipped, not refused)
     block_tables [B, W] int32  request b's pages, BAD_PAGE_INDEX where unallocated
     qo_indptr    [B + 1] int32 (ragged), or None with tokens_per_seq = q (request b: tokens b*q..)
-    -> refused   [1] int32  writes whose page is not in the token's request row (or outside the pool)
+    refused      [1] int32  the caller's counter, += the writes whose page is not in the token's request
+                 row (or outside the pool); never zeroed by the op, so a persistent counter costs no
+                 fill per call and a CUDA-graph replay accumulates into it
 
 The op is C++ (`cpp/dspark_ops.cpp`, CUDA kernel in `cpp/dspark_ops_kernels.cu`, registered as
 `torch.ops.trtllm.dspark_paged_kv_append`; `cpp_ops.py` loads it). Without it, `paged_kv_append` runs `check_paged_kv_append`
@@ -37,7 +39,7 @@ def _list(xs) -> str:
 
 def check_paged_kv_append(values: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                           block_tables: torch.Tensor, qo_indptr: Optional[torch.Tensor], tokens_per_seq: int,
-                          plane: int) -> None:
+                          plane: int, refused: torch.Tensor) -> None:
     """ValueError unless the inputs are valid (the C++ op's checks, in its order and words)."""
     def need(ok: bool, *msg) -> None:
         if not ok:
@@ -69,9 +71,11 @@ def check_paged_kv_append(values: torch.Tensor, kv_cache: torch.Tensor, slot_map
     else:
         need(tokens_per_seq > 0 and tokens_per_seq * b == values.shape[0], "DSpark tokens_per_seq must split the ",
              values.shape[0], " tokens over ", b, " requests without qo_indptr, got ", tokens_per_seq)
+    need(refused.dtype == torch.int32, "DSpark refused must be Int, got ", dtype_name(refused.dtype))
+    need(refused.dim() == 1 and refused.shape[0] == 1, "DSpark refused must be [1], got ", _list(refused.shape))
     dev = values.device
     for name, t in (("kv_cache", kv_cache), ("slot_mapping", slot_mapping), ("block_tables", block_tables),
-                    ("qo_indptr", qo_indptr)):
+                    ("qo_indptr", qo_indptr), ("refused", refused)):
         if t is not None:
             need(t.device == dev, "DSpark ", name, " must be on ", dev, " (the values' device), got ", t.device)
     need(values.stride(2) == 1 and values.stride(1) == values.shape[2],
@@ -85,8 +89,9 @@ def check_paged_kv_append(values: torch.Tensor, kv_cache: torch.Tensor, slot_map
 
 def reference_paged_kv_append(values: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                               block_tables: torch.Tensor, qo_indptr: Optional[torch.Tensor], tokens_per_seq: int,
-                              plane: int) -> torch.Tensor:
-    """The op's semantics in torch ops (inputs already checked). Returns refused [1] int32."""
+                              plane: int, refused: torch.Tensor) -> None:
+    """The op's semantics in torch ops (inputs already checked): the owned slots written, refused
+    [1] int32 += the others (-1 slots not counted)."""
     t_n, dev = values.shape[0], values.device
     pages, _, heads, p, _ = kv_cache.shape
     tok = torch.arange(t_n, device=dev)
@@ -98,17 +103,18 @@ def reference_paged_kv_append(values: torch.Tensor, kv_cache: torch.Tensor, slot
     wants = slot_mapping >= 0
     owned = wants & (block_tables.long()[owner] == page[:, None]).any(1) & (page < pages)
     write_slots(kv_cache[:, plane], values, torch.where(owned, slot_mapping, -1))
-    return (wants & ~owned).sum().to(torch.int32).view(1)
+    refused.add_((wants & ~owned).sum().to(torch.int32))
 
 
 def paged_kv_append(values: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                    block_tables: torch.Tensor, qo_indptr: Optional[torch.Tensor] = None, tokens_per_seq: int = 0,
-                    plane: int = 0) -> torch.Tensor:
+                    block_tables: torch.Tensor, qo_indptr: Optional[torch.Tensor], tokens_per_seq: int, plane: int,
+                    refused: torch.Tensor) -> None:
     """Write `values` into `kv_cache` (in place) at `slot_mapping`, refusing slots outside their
-    request's pages; returns refused [1] int32 (on the values' device, no sync). The C++ op when it
-    is built, else the checked reference."""
+    request's pages and adding their count to `refused` [1] int32 (on the values' device, no sync).
+    The C++ op when it is built, else the checked reference."""
     if ops_loaded():
-        return torch.ops.trtllm.dspark_paged_kv_append(values, kv_cache, slot_mapping, block_tables, qo_indptr,
-                                                       tokens_per_seq, plane)
-    check_paged_kv_append(values, kv_cache, slot_mapping, block_tables, qo_indptr, tokens_per_seq, plane)
-    return reference_paged_kv_append(values, kv_cache, slot_mapping, block_tables, qo_indptr, tokens_per_seq, plane)
+        torch.ops.trtllm.dspark_paged_kv_append(values, kv_cache, slot_mapping, block_tables, qo_indptr,
+                                                tokens_per_seq, plane, refused)
+        return
+    check_paged_kv_append(values, kv_cache, slot_mapping, block_tables, qo_indptr, tokens_per_seq, plane, refused)
+    reference_paged_kv_append(values, kv_cache, slot_mapping, block_tables, qo_indptr, tokens_per_seq, plane, refused)

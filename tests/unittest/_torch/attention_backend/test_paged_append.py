@@ -2,11 +2,13 @@
 
 CPU: the reference writes exactly the owned slots (uniform and ragged steps, a bf16 and an fp8
 pool), skips -1 slots, and refuses a slot in another request's page, past the request's pages or
-outside the pool, counting it; a plain scatter (the negative control) writes the foreign slot.
+outside the pool, adding it to the caller's counter (which a second call accumulates, never
+zeroes); a plain scatter (the negative control) writes the foreign slot.
 The C++ CPU kernel (built here with torch.utils.cpp_extension; skipped without ninja or a
-compiler) equals the reference bitwise, and for every bad input the C++ message equals the
-Python guard's word for word.
-GPU: the CUDA kernel equals the reference bitwise and runs inside a captured CUDA graph.
+compiler) equals the reference bitwise, counts the same, and for every bad input the C++ message
+equals the Python guard's word for word.
+GPU: the CUDA kernel equals the reference bitwise and runs inside a captured CUDA graph, whose
+replays accumulate into the counter (the op launches no fill of its own).
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ def _case(dev="cpu", cache_dtype=torch.bfloat16, value_dtype=torch.bfloat16, rag
         want[s // P, 1, :, s % P] = values[t].to(cache_dtype)
     to = lambda x: None if x is None else x.to(dev)   # noqa: E731
     return dict(values=to(values), kv_cache=to(cache), slot_mapping=to(torch.tensor(slots)), block_tables=to(tables),
-                qo_indptr=to(qo), tokens_per_seq=q, plane=1), to(want), 2
+                qo_indptr=to(qo), tokens_per_seq=q, plane=1, refused=to(torch.zeros(1, dtype=torch.int32))), to(want), 2
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -56,8 +58,11 @@ def test_reference_writes_owned_slots_and_refuses_the_rest(ragged, cache_dtype, 
     args, want, refused = _case(cache_dtype=cache_dtype, value_dtype=value_dtype, ragged=ragged)
     naive = args["kv_cache"].clone()
     check_paged_kv_append(**args)
-    got = reference_paged_kv_append(**args)
-    assert got.tolist() == [refused]
+    reference_paged_kv_append(**args)
+    assert args["refused"].tolist() == [refused]
+    assert torch.equal(_bytes(args["kv_cache"]), _bytes(want))
+    reference_paged_kv_append(**args)                 # the same writes again: the counter accumulates
+    assert args["refused"].tolist() == [2 * refused]
     assert torch.equal(_bytes(args["kv_cache"]), _bytes(want))
     # negative control: a plain scatter of the in-pool slots writes request 0's page from request 1
     keep = args["slot_mapping"] < 10 * P
@@ -95,6 +100,9 @@ def _bad_inputs():
          "DSpark values must have contiguous heads and dims (strides [*, 8, 1]), got [16, 1, 2]"),
         ("cache contiguity", lambda a: {**a, "kv_cache": a["kv_cache"].transpose(3, 4).contiguous().transpose(3, 4)},
          "DSpark kv_cache must be contiguous"),
+        ("refused int64", lambda a: {**a, "refused": a["refused"].long()}, "DSpark refused must be Int, got Long"),
+        ("refused shape", with_(refused=torch.zeros(2, dtype=torch.int32)), "DSpark refused must be [1], got [2]"),
+        ("refused 0-D", with_(refused=torch.zeros((), dtype=torch.int32)), "DSpark refused must be [1], got []"),
         ("slots contiguity", lambda a: {**a, "slot_mapping": torch.stack([a["slot_mapping"]] * 2, 1)[:, 0]},
          "DSpark slot_mapping must be contiguous"),
     ]
@@ -122,13 +130,16 @@ def test_cpp_cpu_kernel_equals_the_reference(cpp_op, ragged, cache_dtype, value_
     args, want, refused = _case(cache_dtype=cache_dtype, value_dtype=value_dtype, ragged=ragged, seed=3)
     if cache_dtype == torch.float32:
         want = None
-    ref = dict(args, kv_cache=args["kv_cache"].clone())
-    assert reference_paged_kv_append(**ref).tolist() == [refused]
-    got = cpp_op(*args.values())
-    assert got.tolist() == [refused] and got.dtype == torch.int32
+    ref = dict(args, kv_cache=args["kv_cache"].clone(), refused=args["refused"].clone())
+    reference_paged_kv_append(**ref)
+    assert ref["refused"].tolist() == [refused]
+    assert cpp_op(*args.values()) is None
+    assert args["refused"].tolist() == [refused]
     assert torch.equal(_bytes(args["kv_cache"]), _bytes(ref["kv_cache"]))
     if want is not None:
         assert torch.equal(_bytes(args["kv_cache"]), _bytes(want))
+    cpp_op(*args.values())                             # again: the caller's counter accumulates
+    assert args["refused"].tolist() == [2 * refused]
 
 
 @pytest.mark.parametrize("label,mutate,msg", _bad_inputs(), ids=[c[0] for c in _bad_inputs()])
@@ -148,19 +159,24 @@ def test_cuda_kernel_equals_the_reference_in_a_graph(cpp_op, ragged):
     op = cpp_op
     for cache_dtype, value_dtype in ((torch.bfloat16, torch.bfloat16), (torch.float8_e4m3fn, torch.bfloat16)):
         args, want, refused = _case("cuda", cache_dtype, value_dtype, ragged, seed=4)
-        ref = dict(args, kv_cache=args["kv_cache"].clone())
+        ref = dict(args, kv_cache=args["kv_cache"].clone(), refused=args["refused"].clone())
         reference_paged_kv_append(**ref)
         start = args["kv_cache"].clone()
         graph = torch.cuda.CUDAGraph()
-        op(*dict(args, kv_cache=start.clone()).values())                  # warm-up outside the capture
+        op(*dict(args, kv_cache=start.clone(), refused=torch.zeros_like(args["refused"])).values())   # warm-up
         with torch.cuda.graph(graph):
-            out = op(*args.values())
+            op(*args.values())
         args["kv_cache"].copy_(start)
+        torch.cuda.synchronize()
+        assert args["refused"].tolist() == [0]                            # capture ran nothing
         graph.replay()
         torch.cuda.synchronize()
-        assert out.tolist() == [refused]
+        assert args["refused"].tolist() == [refused] == ref["refused"].tolist()
         assert torch.equal(_bytes(args["kv_cache"]), _bytes(ref["kv_cache"]))
         assert torch.equal(_bytes(args["kv_cache"]), _bytes(want))
+        graph.replay()                               # the graph holds no fill: replays accumulate
+        torch.cuda.synchronize()
+        assert args["refused"].tolist() == [2 * refused]
 
 
 @pytest.mark.parametrize("ragged", [False, True])
@@ -189,12 +205,15 @@ def test_triton_backend_writes_through_the_op(cpp_op, monkeypatch, ragged):
         md = AttentionMetadata(seq_lens=lens, num_cached=cached, block_tables=tables, slot_mapping=torch.tensor(sm),
                                tokens_per_block=p, causal=True)
         cache = cache0.clone()
-        out = triton_backend.TritonAttention().forward(q, k, v, cache, md, 0.25)
-        return out, cache
-    out_op, cache_op = run(True)
-    out_sc, cache_sc = run(False)
+        backend = triton_backend.TritonAttention()
+        out = backend.forward(q, k, v, cache, md, 0.25)
+        return out, cache, backend
+    out_op, cache_op, be = run(True)
+    out_sc, cache_sc, _ = run(False)
     assert torch.equal(cache_op, cache_sc) and torch.allclose(out_op, out_sc, atol=1e-6)
-    _, bad_op = run(True, foreign=True)
-    _, bad_sc = run(False, foreign=True)
+    assert be.refused_writes() == 0
+    _, bad_op, be = run(True, foreign=True)
+    _, bad_sc, _ = run(False, foreign=True)
     assert torch.equal(bad_op[2, :, :, 9], cache0[2, :, :, 9])           # the op refused it
+    assert be.refused_writes() == 2                                      # the token's K and its V write
     assert not torch.equal(bad_sc[2, :, :, 9], cache0[2, :, :, 9])       # control: the scatter wrote it
