@@ -25,6 +25,7 @@ from ...llmapi.llm_args import DSparkDecodingConfig
 from ..attention_backend.interface import AttentionBackend, AttentionMetadata, host_ints
 from ..attention_backend.resolver import Resolution, create_backend
 from ..models.dspark_config import DraftKVLayout
+from ..models.modeling_dspark import greedy_pick
 from ..pyexecutor.kv_cache.kv_cache_spec import KVCacheSpec
 from ..pyexecutor.kv_cache.resource_manager import KVCacheManager
 from ..runtime.device import is_device_fault
@@ -125,7 +126,7 @@ class DSparkWorker(Drafter):
         if backend is not None:
             try:      # the runner refuses shapes it cannot pad into one page (its ValueError says why)
                 self.graph_runner = DraftGraphRunner(self.drafter, self.kv, backend, self.kv_caches, self.device,
-                                                     max_batch_size, verify_widths=self.verify_widths,
+                                                     max_batch_size, verify_widths=sorted({1, *self.verify_widths}),
                                                      num_drafts=self.max_draft_len, capture=cuda_graphs)
             except ValueError as e:
                 why = str(e)
@@ -249,17 +250,19 @@ class DSparkWorker(Drafter):
         """
         if not commits:
             return
-        rest = list(commits)
+        rest = commits
         if ahead is not None:
-            launched = [c for c in commits if c.req.request_id in ahead.rows]
-            self._mark_written(launched)       # their context rows were written by the launch
-            for c in launched:
+            rest, rows, kv, generating = [], ahead.rows, self.kv, RequestState.GENERATION
+            for c in commits:
                 req = c.req
+                if req.request_id not in rows:
+                    rest.append(c)
+                    continue
+                kv.mark_draft_written(req.request_id, c.start + c.count)   # the launch wrote their context
                 # running => its host count equals the device count (a cap or a stop finishes it);
                 # all K drafts, also near max_tokens: `accept` caps what is committed
-                if req.state == RequestState.GENERATION and not req.is_finished:
+                if req.state is generating:
                     req.draft_tokens, req.draft_probs = ahead.drafts(req.request_id), None
-            rest = [c for c in commits if c.req.request_id not in ahead.rows]
         if rest and captured is not None:
             self._eager_draft(rest, captured)
 
@@ -281,9 +284,29 @@ class DSparkWorker(Drafter):
             self.drafter.write_context(feats, host_ints(pos, self.device), host_ints(slots, self.device),
                                        self.kv_caches, self.backend, slots_valid=-1 not in slots)
         self._mark_written(commits)
-        gen = [c.req for c in commits if c.req.state == RequestState.GENERATION and not c.req.is_finished]
+        gen = [c for c in commits if c.req.state is RequestState.GENERATION and c.count]
         if gen:
-            self._draft(gen)
+            rest = self._launch_from_last(gen, captured)
+            if rest:
+                self._draft(rest)
+
+    def _launch_from_last(self, commits: Sequence[StepCommit], captured: torch.Tensor) -> list[LlmRequest]:
+        """Draft the greedy requests among `commits` with the device draft step, as a one-row verify
+        segment: the last committed token's captured row at its position, the next token (the anchor,
+        known on the host) as its only committed token. An arriving prompt drafts this way instead of
+        through an eager draft block. Returns the requests left to draft eagerly."""
+        g = self.graph_runner
+        if g is None or 1 not in g.widths:
+            return [c.req for c in commits]
+        items = [VerifiedSegment(c.req, c.row0 + c.count - 1, c.start + c.count - 1, 1, j)
+                 for j, c in enumerate(commits)]
+        anchors = host_ints([c.req.token_at(c.req.num_computed) for c in commits], captured.device)
+        ahead = self.draft_ahead(items, anchors.view(-1, 1), captured)
+        rows = ahead.rows if ahead is not None else {}
+        for c in commits:
+            if c.req.request_id in rows:
+                c.req.draft_tokens, c.req.draft_probs = ahead.drafts(c.req.request_id), None
+        return [c.req for c in commits if c.req.request_id not in rows]
 
     def _mark_written(self, commits: Sequence[StepCommit]) -> None:
         """The committed positions' draft KV is written (the manager publishes what waited for it)."""
@@ -343,7 +366,7 @@ class DSparkWorker(Drafter):
                 out[at] = self.sampler.draw(q, s_ids, s_params, stream="draft")
             return out
 
-        draft_ids, _ = self.drafter.propose(hidden, anchors, k_max, pick)
+        draft_ids, _ = self.drafter.propose(hidden, anchors, k_max, pick if sampled else greedy_pick)
         # the drafts stay on the device (no wait here); their host copy is under way
         pending = PendingTokens(draft_ids)
         q_all = torch.stack(slot_probs, 1) if slot_probs else None   # [len(sampled), k_max, V]

@@ -370,6 +370,8 @@ def test_stop_inside_accepted_run_publishes_no_short_block(make_llm, tiny_llama_
             k = len(req.draft_tokens)
             req.draft_tokens = (base[len(req.output_token_ids):] + [7] * k)[:k]
     monkeypatch.setattr(DSparkWorker, "_draft_group", oracle)
+    # the arrival drafts through the eager draft block (where the oracle sits), not the device draft step
+    monkeypatch.setattr(DSparkWorker, "_launch_from_last", lambda self, commits, captured: [c.req for c in commits])
     llm = _engine(make_llm, tiny_llama_dir, drafters["mla"])
     for j in (2, 6, 11):
         stop = base[j]
