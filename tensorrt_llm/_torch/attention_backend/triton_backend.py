@@ -118,7 +118,9 @@ class TritonAttention(AttentionBackend):
         ex = self._extras(md)
         lens = md.kv_lens_device if md.kv_lens_device is not None else ex[LENS_KEY]
         qo = ex.get(QO_KEY)
-        return paged_attention(q.contiguous(), kv_cache, md.block_tables, lens, scale, md.causal, v_dim, mla,
+        if q.stride(-1) != 1:       # the kernel reads any token / head strides (a view of the q|k|v buffer)
+            q = q.contiguous()
+        return paged_attention(q, kv_cache, md.block_tables, lens, scale, md.causal, v_dim, mla,
                                num_splits=self.num_splits,
                                qo_indptr=qo, max_q=0 if qo is None else md.max_q_bound or max(md.seq_lens))
 

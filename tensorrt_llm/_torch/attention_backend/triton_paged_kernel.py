@@ -160,7 +160,8 @@ def shape_support(v_dim: int, rope_dim: int, page_size: int) -> str:
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor,
                     scale: float, causal: bool, v_dim: int, mla: bool, qo_indptr: Optional[torch.Tensor] = None,
                     max_q: int = 0, num_splits: Optional[int] = None) -> torch.Tensor:
-    """q [T, Hq, Dqk] (packed request-major) over the pages of kv_cache (module doc) ->
+    """q [T, Hq, Dqk] (packed request-major; any token and head strides, a contiguous last dim: a
+    view of a layer's q|k|v buffer is read in place) over the pages of kv_cache (module doc) ->
     [T, Hq, v_dim] in q's dtype. num_splits: KV splits per program (a power of two <= MAX_SPLITS;
     default `default_num_splits`).
 

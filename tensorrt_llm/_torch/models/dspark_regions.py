@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention_backend.interface import device_positions
-from ..modules.compiled_regions import LayerRegions, layer_output
+from ..modules.compiled_regions import LayerRegions, layer_output, split_qkv
 from ..modules.rms_norm import rms_norm
 from ..modules.rotary_embedding import rope_rotate
 
@@ -64,17 +64,16 @@ def gqa_attention_inputs(h: torch.Tensor, norm_w: torch.Tensor, qkv_w: torch.Ten
                          q_norm_w: torch.Tensor, k_norm_w: torch.Tensor, eps: float, positions: torch.Tensor,
                          cos_t: torch.Tensor, sin_t: torch.Tensor, interleaved: bool, num_heads: int,
                          num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """h [T, H] residual stream -> roped q [T, Hq, D] (contiguous), roped k [T, Hkv, D], v [T, Hkv, D]
-    (the halves of one buffer, as `gqa_project_kv`'s): input_layernorm, the fused q|k|v GEMM
-    (qkv_w [(Hq + 2 Hkv) D, H]), per-head q/k norms, one RoPE."""
+    """h [T, H] residual stream -> roped q [T, Hq, D], roped k [T, Hkv, D], v [T, Hkv, D], the views of
+    one [T, Hq + 2 Hkv, D] buffer (`compiled_regions.split_qkv`): input_layernorm, the fused q|k|v
+    GEMM (qkv_w [(Hq + 2 Hkv) D, H]), per-head q/k norms, one RoPE."""
     t = h.shape[0]
     qkv = F.linear(rms_norm(h, norm_w, eps), qkv_w, qkv_b)
     nqk = (num_heads + num_kv_heads) * head_dim
     qk = qkv[:, :nqk].view(t, num_heads + num_kv_heads, head_dim)
     qk = torch.cat((rms_norm(qk[:, :num_heads], q_norm_w, eps), rms_norm(qk[:, num_heads:], k_norm_w, eps)), dim=1)
     qk = _rope(qk, positions, cos_t, sin_t, interleaved)
-    kv = torch.cat((qk[:, num_heads:], qkv[:, nqk:].view(t, num_kv_heads, head_dim)), dim=1)
-    return qk[:, :num_heads].contiguous(), kv[:, :num_kv_heads], kv[:, num_kv_heads:]
+    return split_qkv(torch.cat((qk, qkv[:, nqk:].view(t, num_kv_heads, head_dim)), dim=1), num_heads, num_kv_heads)
 
 
 def mla_latent(x: torch.Tensor, kv_a_w: torch.Tensor, kv_norm_w: torch.Tensor, eps: float, positions: torch.Tensor,

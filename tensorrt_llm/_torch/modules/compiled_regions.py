@@ -31,12 +31,21 @@ from .rms_norm import rms_norm
 from .rotary_embedding import rope_halves
 
 
+def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv [T, Hq + 2 Hkv, D] -> views q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] (token stride
+    (Hq + 2 Hkv) D). One buffer: compiled, one pointwise kernel writes all three; k and v are its
+    adjacent halves, so one cache write covers both (`attention_backend.interface.joint_kv`); every
+    backend reads q through its strides or copies it itself."""
+    q, k, v = qkv.split((num_heads, num_kv_heads, num_kv_heads), dim=1)
+    return q, k, v
+
+
 def attention_inputs(h: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv_w: torch.Tensor,
                      qkv_b: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
                      num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """h [T, H] residual stream -> roped q [T, Hq, D] (contiguous), roped k [T, Hkv, D], v [T, Hkv, D].
-    k and v are the halves of one [T, 2 Hkv, D] buffer, so one cache write covers both
-    (`attention_backend.interface.joint_kv`); compiled, that buffer is written by the RoPE kernel.
+    """h [T, H] residual stream -> roped q [T, Hq, D], roped k [T, Hkv, D], v [T, Hkv, D], the views
+    of one [T, Hq + 2 Hkv, D] buffer (`split_qkv`).
 
     qkv_w [(Hq + 2 Hkv) D, H] the fused projection; cos / sin [T, 1, D] from `RotaryEmbedding.cos_sin`
     (half-rotation tables)."""
@@ -44,8 +53,7 @@ def attention_inputs(h: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv_w: t
     qkv = F.linear(rms_norm(h, norm_w, eps), qkv_w, qkv_b)
     nqk = (num_heads + num_kv_heads) * head_dim
     qk = rope_halves(qkv[:, :nqk].view(t, num_heads + num_kv_heads, head_dim).float(), cos, sin).to(h.dtype)
-    kv = torch.cat((qk[:, num_heads:], qkv[:, nqk:].view(t, num_kv_heads, head_dim)), dim=1)
-    return qk[:, :num_heads].contiguous(), kv[:, :num_kv_heads], kv[:, num_kv_heads:]
+    return split_qkv(torch.cat((qk, qkv[:, nqk:].view(t, num_kv_heads, head_dim)), dim=1), num_heads, num_kv_heads)
 
 
 def layer_output(h: torch.Tensor, o: torch.Tensor, o_w: torch.Tensor, norm_w: torch.Tensor, eps: float,
@@ -64,7 +72,7 @@ def output_then_inputs(h: torch.Tensor, o: torch.Tensor, o_w: torch.Tensor, norm
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One layer's `layer_output`, then the next layer's `attention_inputs`, as one region: compiled,
     the last residual add and the next layer's RMSNorm are one kernel. Returns the layer's output
-    h [T, H] and the next layer's roped q [T, Hq, D] (contiguous), k [T, Hkv, D], v [T, Hkv, D]."""
+    h [T, H] and the next layer's roped q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] (`split_qkv` views)."""
     h = layer_output(h, o, o_w, norm_w, eps, gate_up_w, down_w)
     q, k, v = attention_inputs(h, next_norm_w, next_eps, qkv_w, qkv_b, cos, sin, num_heads, num_kv_heads, head_dim)
     return h, q, k, v

@@ -44,17 +44,22 @@ def test_other_layouts_are_refused():
     assert joint_kv(buf[:, :H - 1], buf[:, H:2 * H - 1]) is None    # shapes of H - 1 heads: not adjacent
 
 
-def test_layer_regions_give_joint_kv():
-    """The target's attention_inputs returns k and v as one buffer's halves (q apart, contiguous)."""
+def test_layer_regions_give_one_qkv_buffer():
+    """The target's attention_inputs returns q, k and v as the views of one [T, Hq + 2 Hkv, D] buffer:
+    k and v its adjacent halves (`joint_kv`), q ahead of them with the buffer's token stride."""
     g = torch.Generator().manual_seed(2)
     hq, hkv, d, hidden = 4, 2, 8, 16
     h = torch.randn(T, hidden, generator=g)
     qkv_w = torch.randn((hq + 2 * hkv) * d, hidden, generator=g)
     cos, sin = torch.ones(T, 1, d), torch.zeros(T, 1, d)
     q, k, v = attention_inputs(h, torch.ones(hidden), 1e-6, qkv_w, None, cos, sin, hq, hkv, d)
-    assert q.is_contiguous() and joint_kv(k, v) is not None
+    assert joint_kv(k, v) is not None
+    assert q.stride() == k.stride() == ((hq + 2 * hkv) * d, d, 1) and not q.is_contiguous()
+    assert k.data_ptr() == q.data_ptr() + hq * d * q.element_size()
     ref = torch.nn.functional.linear(torch.nn.functional.rms_norm(h, (hidden,), torch.ones(hidden), 1e-6), qkv_w)
+    assert torch.equal(q.reshape(T, -1), ref[:, :hq * d])                 # cos 1, sin 0: RoPE is the identity
     assert torch.allclose(v.reshape(T, -1), ref[:, (hq + hkv) * d:], atol=1e-5)
+    assert not torch.equal(q.reshape(T, -1), ref[:, hq * d:2 * hq * d])   # control: q's columns, not k's
 
 
 def test_write_kv_one_call_for_joint_halves_two_otherwise():

@@ -78,3 +78,31 @@ def test_prepare_fills_lengths_and_keeps_a_graphs_tensor():
         be.prepare(AttentionMetadata(seq_lens=[1], num_cached=[0], block_tables=torch.zeros(1, 1, dtype=torch.int32),
                                      slot_mapping=torch.zeros(1, dtype=torch.long), tokens_per_block=16,
                                      sliding_window=4))
+
+
+def test_q_views_of_the_qkv_buffer_are_not_copied(monkeypatch):
+    """TRITON hands the kernel q as given when its last dim is contiguous (the view of a layer's
+    q|k|v buffer: no copy kernel), and the K/V halves of that buffer as one write; a q whose dims
+    are strided (the control) is made contiguous first."""
+    from tensorrt_llm._torch.attention_backend import triton_paged_kernel
+    seen = []
+    real = triton_paged_kernel.paged_attention
+
+    def spy(q, *args, **kwargs):
+        seen.append((q.data_ptr(), q.stride()))
+        return real(q, *args, **kwargs)
+    monkeypatch.setattr(triton_paged_kernel, "paged_attention", spy)
+    hq, hkv, d, p = 4, 2, 16, 16
+    g = torch.Generator().manual_seed(3)
+    buf = torch.randn(4, hq + 2 * hkv, d, generator=g)
+    q, k, v = buf.split((hq, hkv, hkv), dim=1)
+    md = AttentionMetadata(seq_lens=[2, 2], num_cached=[3, 0], block_tables=torch.tensor([[0], [1]], dtype=torch.int32),
+                           slot_mapping=torch.tensor([3, 4, 16, 17]), tokens_per_block=p)
+    cache = torch.zeros(2, 2, hkv, p, d)
+    out = TritonAttention().forward(q, k, v, cache, md, 0.25)
+    assert seen[-1] == (q.data_ptr(), q.stride())
+    assert torch.equal(cache[1, 0, :, 1], k[3]) and torch.equal(cache[1, 1, :, 1], v[3])
+    strided = q.transpose(1, 2).contiguous().transpose(1, 2)        # same values, last dim strided
+    md.extras.clear()
+    assert torch.equal(TritonAttention().forward(strided, k, v, cache, md, 0.25), out)
+    assert seen[-1][1][-1] == 1 and seen[-1][0] != strided.data_ptr()

@@ -82,6 +82,25 @@ def test_paged_attention_matches_reference(mla, causal, qps, splits):
     assert rel(wrong[rows], want[rows]) > NEG_MIN
 
 
+@pytest.mark.parametrize("splits", [1, 4])
+def test_q_read_through_its_strides(splits):
+    """q as the view of a layer's q|k|v buffer [T, Hq + 2 Hkv, D] (token stride (Hq + 2 Hkv) D, no
+    copy) gives bitwise the contiguous q's output. Control: the view one head further (k's heads
+    in q's place) is far off."""
+    qps, lens = 5, [6, 37, 16, 70]
+    q, cache, table = _case(False, qps, lens)
+    t, hq, d = q.shape
+    buf = torch.randn(t, hq + 4, d, generator=torch.Generator().manual_seed(9)).to(device=DEV, dtype=DTYPE)
+    buf[:, :hq] = q
+    view = buf[:, :hq]
+    assert view.stride(0) == (hq + 4) * d and not view.is_contiguous()
+    kv_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    want = paged_attention(q, cache, table, kv_lens, 0.3, True, d, False, num_splits=splits)
+    assert torch.equal(paged_attention(view, cache, table, kv_lens, 0.3, True, d, False, num_splits=splits), want)
+    shifted = paged_attention(buf[:, 1:hq + 1], cache, table, kv_lens, 0.3, True, d, False, num_splits=splits)
+    assert rel(shifted, want) > NEG_MIN
+
+
 def test_split_count_is_checked_and_sized_by_the_grid():
     from tensorrt_llm._torch.attention_backend.triton_paged_kernel import MAX_SPLITS, default_num_splits
     q, cache, table = _case(False, 2, [5, 9])

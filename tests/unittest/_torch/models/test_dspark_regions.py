@@ -194,6 +194,27 @@ def test_inductor_regions_match_eager_on_cpu(kind):
     assert _rel(_draft_step(d, VanillaAttention())[2], want_hidden) > 1e-2
 
 
+@pytest.mark.parametrize("regions", [DrafterRegions.eager(), DrafterRegions.inductor()], ids=["eager", "inductor"])
+def test_gqa_attention_inputs_are_one_qkv_buffer(regions):
+    """The drafter's q, k and v are the views of one [T, Hq + 2 Hkv, D] buffer (one pointwise kernel
+    compiled; k and v its halves: one cache write), equal to the eager region's. Control: k and v
+    of two allocations are not joint."""
+    d = _drafter("gqa", CPU, torch.float32)
+    a, n, t = d.layers[0].self_attn, d.layers[0].input_layernorm, 7
+    pos = torch.arange(3, 3 + t)
+    args = (torch.randn(t, HIDDEN, generator=torch.Generator().manual_seed(5)), n.weight, *a._qkv, a.q_norm.weight,
+            a.k_norm.weight, n.eps, pos, *a.rotary.tables(CPU), a.rotary.interleaved, a.num_heads, a.num_kv_heads,
+            a.head_dim)
+    with torch.inference_mode():
+        q, k, v = regions.gqa_attention_inputs(*args)
+        want = DrafterRegions.eager().gqa_attention_inputs(*args)
+    hq, d_ = a.num_heads, a.head_dim
+    assert q.stride() == k.stride() == v.stride() == ((hq + 2 * a.num_kv_heads) * d_, d_, 1)
+    assert k.data_ptr() == q.data_ptr() + hq * d_ * q.element_size() and joint_kv(k, v) is not None
+    assert all(_rel(x, y) < 1e-5 for x, y in zip((q, k, v), want))
+    assert joint_kv(k.clone(), v.clone()) is None
+
+
 @pytest.mark.parametrize("kind", ["gqa", "mla"])
 def test_llm_with_compiled_drafter_is_lossless(make_llm, tiny_llama_dir, tiny_drafters, kind):
     prompts = [[5, 6, 7], [40, 41, 42, 43, 44], [9, 10, 11, 12]]

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tensorrt_llm import SamplingParams
+from tensorrt_llm._torch.attention_backend.interface import joint_kv
 from tensorrt_llm._torch.attention_backend.vanilla import VanillaAttention
 from tensorrt_llm._torch.models import load_target_model
 from tensorrt_llm._torch.modules.compiled_regions import LayerRegions
@@ -112,12 +113,19 @@ def test_inductor_regions_on_gpu(llama64_dir, make_llm, hf_reference):
     assert agreed >= 0.75 * sum(len(a) for a in got)
 
 
+def _one_qkv_buffer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """q, k, v [T, H*, D] are the views of one [T, Hq + 2 Hkv, D] buffer, in that order (`split_qkv`)."""
+    hq, d = q.shape[1], q.shape[2]
+    row = (hq + 2 * k.shape[1]) * d
+    return (joint_kv(k, v) is not None and q.stride() == k.stride() == (row, d, 1)
+            and k.data_ptr() == q.data_ptr() + hq * d * q.element_size())
+
+
 @pytest.mark.parametrize("t", [1, 7])
-def test_compiled_regions_keep_k_and_v_joint(t):
-    """The inductor regions return k and v as one buffer's halves (`joint_kv`: one cache write per
-    layer), from `attention_inputs` and from `output_then_inputs`, and equal the eager regions'.
-    Control: separately allocated k and v are not joint."""
-    from tensorrt_llm._torch.attention_backend.interface import joint_kv
+def test_compiled_regions_keep_q_k_and_v_in_one_buffer(t):
+    """The inductor regions return q, k and v as the views of one buffer (one pointwise kernel writes
+    them; k and v its halves, `joint_kv`: one cache write per layer), from `attention_inputs` and
+    from `output_then_inputs`, and equal the eager regions'. Control: copies are not one buffer."""
     g = torch.Generator().manual_seed(t)
     hq, hkv, d, hidden, inter = 4, 2, 8, 16, 32
     w = {n: torch.randn(*s, generator=g) * 0.2 for n, s in
@@ -132,7 +140,37 @@ def test_compiled_regions_keep_k_and_v_joint(t):
         got = LayerRegions.inductor().output_then_inputs(*args)
         want = LayerRegions.eager().output_then_inputs(*args)
         q, k, v = LayerRegions.inductor().attention_inputs(h, ones, 1e-6, w["qkv"], None, cos, sin, hq, hkv, d)
-    assert joint_kv(got[2], got[3]) is not None and joint_kv(k, v) is not None
+    assert _one_qkv_buffer(*got[1:]) and _one_qkv_buffer(q, k, v) and _one_qkv_buffer(*want[1:])
     for a, b in zip(got, want):
         assert _rel(a, b) < 1e-4
-    assert joint_kv(k.clone(), v.clone()) is None
+    assert joint_kv(k.clone(), v.clone()) is None and not _one_qkv_buffer(q.clone(), k, v)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_attention_inputs_are_one_pointwise_kernel_on_gpu():
+    """Compiled on the GPU (bf16, 9 tokens: the dynamic trace of a verify step), the work after the
+    q|k|v GEMM, RoPE of q and k with v beside them in one buffer, is one Triton pointwise kernel
+    (were three: the RoPE, the k|v cat, q's copy). Control: asking for a contiguous q adds its copy."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from tensorrt_llm._torch.modules.compiled_regions import attention_inputs
+    dev, t, hq, hkv, d, hidden = torch.device("cuda"), 9, 8, 2, 64, 256
+    g = torch.Generator().manual_seed(0)
+    qkv_w = (torch.randn((hq + 2 * hkv) * d, hidden, generator=g) * 0.05).to(dev, torch.bfloat16)
+    ang = torch.randn(t, 1, d // 2, generator=g)
+    cos, sin = (torch.cat([f(ang)] * 2, -1).to(dev, torch.bfloat16) for f in (torch.cos, torch.sin))
+    args = (torch.randn(t, hidden, generator=g).to(dev, torch.bfloat16), torch.ones(hidden, device=dev,
+            dtype=torch.bfloat16), 1e-6, qkv_w, None, cos, sin, hq, hkv, d)
+
+    def pointwise_kernels(fn) -> int:
+        torch._dynamo.reset()
+        with torch.inference_mode():
+            _, code = run_and_get_code(torch.compile(fn, dynamic=True), *args)
+        return len(set(re.findall(r"(triton_poi_\w+) = async_compile", "\n".join(code))))
+
+    assert pointwise_kernels(attention_inputs) == 1
+    assert pointwise_kernels(lambda *a: attention_inputs(*a)[0].contiguous()) == 2
+    torch._dynamo.reset()
