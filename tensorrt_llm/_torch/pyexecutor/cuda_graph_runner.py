@@ -38,8 +38,7 @@ import torch
 
 from ..attention_backend.interface import (BAD_PAGE_INDEX, AttentionBackend, AttentionMetadata, device_positions,
                                            host_ints)
-from ..runtime.cuda_graph import (GraphCache, GraphEntry, batch_buckets, check_graph_support, fill_padded,
-                                  flat_rows, owned_rows)
+from ..runtime.cuda_graph import GraphCache, GraphEntry, batch_buckets, check_graph_support, fill_padded, flat_rows
 from ..runtime.step import ForwardOutput
 from ..runtime.token_rows import TokenRow, VerifyTokens, gather_into, gather_shifts
 from .kv_cache.resource_manager import KVCacheManager
@@ -50,18 +49,20 @@ logger = logging.getLogger("tensorrt_llm")
 def gather_drafts(dst: torch.Tensor, tokens: Sequence[VerifyTokens], rows: Sequence[int]) -> None:
     """dst [bucket, q] input ids on the device: row rows[n] columns 1.. <- tokens[n]'s drafts, read
     from their `PendingTokens` device tensors, queued behind the draft step that produced them."""
-    for t in tokens:
-        if len(t) != dst.shape[1]:
-            raise ValueError(f"verify segment of {len(t)} tokens in a graph of {dst.shape[1]}")
-    gather_into(dst[:, 1:], [t.drafts for t in tokens], rows)
+    drafts, k = [t.drafts for t in tokens], dst.shape[1] - 1
+    for d in drafts:
+        if d.k != k:
+            raise ValueError(f"verify segment of {1 + d.k} tokens in a graph of {dst.shape[1]}")
+    gather_into(dst[:, 1:], drafts, rows)
 
 
 def gather_rows(dst: torch.Tensor, tokens: Sequence[TokenRow], rows: Sequence[int]) -> None:
     """dst [bucket, q] input ids on the device: row rows[n] <- tokens[n] (a whole segment still on the
     device, e.g. the overlap scheduler's previous token), queued behind the step that chose it."""
+    q = dst.shape[1]
     for t in tokens:
-        if len(t) != dst.shape[1]:
-            raise ValueError(f"segment of {len(t)} device tokens in a graph of {dst.shape[1]}")
+        if t.k != q:
+            raise ValueError(f"segment of {t.k} device tokens in a graph of {q}")
     gather_into(dst, tokens, rows)
 
 
@@ -69,18 +70,21 @@ def host_input_ids(dst: np.ndarray, segments) -> tuple[list[int], list[int]]:
     """dst [B, q] int64 (host) <- the segments' host-known tokens (a verify segment's anchor, host
     lists; 0 where a token is still on the device). Returns (rows whose drafts, rows whose whole
     segment, `device_input_ids` gathers on the device)."""
-    lazy, rows = [], []
+    lazy, rows, host = [], [], []
     for j, seg in enumerate(segments):
         t = seg.token_ids
         if isinstance(t, VerifyTokens):
-            dst[j] = 0
-            dst[j, 0] = t.anchor
             lazy.append(j)
         elif isinstance(t, TokenRow):
-            dst[j] = 0
             rows.append(j)
         else:
-            dst[j] = t
+            host.append(j)
+    if lazy or rows:     # one bulk fill, not a numpy write per row
+        dst.fill(0)
+    if lazy:
+        dst[lazy, 0] = [segments[j].token_ids.anchor for j in lazy]
+    if host:
+        dst[host] = [segments[j].token_ids for j in host]
     return lazy, rows
 
 
@@ -183,18 +187,21 @@ class CUDAGraphRunner:
         if not segments or len(segments) > self.buckets[-1]:
             return None
         q = len(segments[0].token_ids)
-        if q not in self.token_counts or not all(len(s.token_ids) == q == s.num_logits for s in segments):
+        if q not in self.token_counts:
             return None
-        rids = [s.request_id for s in segments]
-        rows = self.kv.rows(rids)
-        starts = np.fromiter((s.start for s in segments), dtype=np.int64, count=len(segments))
-        shifted = any(s.start_shift is not None for s in segments)
+        rids, starts, shifted = [], [], False
+        for s in segments:     # one pass over the step's segments
+            if len(s.token_ids) != q or s.num_logits != q:
+                return None
+            rids.append(s.request_id)
+            starts.append(s.start)
+            shifted = shifted or s.start_shift is not None
+        rows, starts = self.kv.rows(rids), np.array(starts, dtype=np.int64)
         # a continued segment starts up to the widest q positions later: all of those slots must be owned
-        slots = self.kv.slots_batch(rids, starts, (max(self.token_counts) if shifted else 0) + q + extra, rows=rows)
-        if not owned_rows(slots).all():
+        if not self.kv.owns_span(rows, starts, (max(self.token_counts) if shifted else 0) + q + extra).all():
             return None
         bucket = self._bucket(len(segments)) if self.graphs.capture else len(segments)
-        return StepPlan(bucket, q, slots[:, :q], rows, starts, shifted)
+        return StepPlan(bucket, q, self.kv.slots_batch(rids, starts, q, rows=rows), rows, starts, shifted)
 
     # ---- run -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -270,7 +277,7 @@ class CUDAGraphRunner:
             entry.copied.record()
         device_input_ids(entry.input_ids.view(bucket, q), segments, lazy, rows)
         if entry.shift is not None:
-            gather_shifts(entry.shift, [s.start_shift for s in segments] + [None] * (bucket - b))
+            gather_shifts(entry.shift, [s.start_shift for s in segments])
         md = entry.md
         md.num_cached = plan.starts.tolist() + [0] * (bucket - b)
         md.graph_shape = (bucket, q, max_pages)

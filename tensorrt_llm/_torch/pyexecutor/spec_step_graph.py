@@ -74,6 +74,7 @@ class SpecStepGraph:
         self.target, self.draft = target, draft
         self.graphs: GraphCache[_SpecEntry] = GraphCache(target.device, target.graphs.capture)
         self.num_launches = 0
+        self._no_logits = torch.zeros(0, 1, device=target.device)   # every launch's (empty) logits
 
     def eligible(self, reqs: Sequence[LlmRequest], segments: Sequence[ForwardSegment]) -> bool:
         """Host-known per-request conditions (the target's plan adds the shape, bucket and page checks)."""
@@ -101,7 +102,7 @@ class SpecStepGraph:
         n = b * q
         offsets = list(range(0, n, q))
         # no logits (the verify ran in the graph) and no captured rows (the graph drafted every request)
-        out = ForwardOutput(verified.new_zeros(0, 1).float(), offsets, None, offsets)
+        out = ForwardOutput(self._no_logits, offsets, None, offsets)
         ahead = DraftsAhead({s.request_id: j for j, s in enumerate(segments)}, PendingTokens(rows[:b].clone()))
         return SpecLaunch(out, verified[:b].clone(), ahead)
 

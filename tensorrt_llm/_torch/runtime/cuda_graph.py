@@ -2,8 +2,6 @@
 
     GraphCache        : one capture / replay cache per runner (entries by key, one memory pool,
                         warm-up on a side stream, then capture; replay and capture counters)
-    owned_rows        : the one owned-slot rule (a request's rows replay only when every slot it
-                        writes lies in pages it owns)
     fill_padded       : pad B real segments to a batch bucket with padding requests that live in the
                         KV manager's scratch page (`KVCacheManager.scratch_page`)
 """
@@ -82,11 +80,6 @@ def fill_padded(pos: np.ndarray, slot: np.ndarray, starts: np.ndarray, b: int, b
         ar = np.arange(q, dtype=np.int64)
         pos[used:].reshape(bucket - b, q)[:] = ar
         slot[used:].reshape(bucket - b, q)[:] = scratch_page * page_size + ar
-
-
-def owned_rows(slots: np.ndarray) -> np.ndarray:
-    """slots [B, n] int64 (-1 beyond a request's owned pages) -> [B] bool: rows that may replay."""
-    return (slots >= 0).all(axis=1)
 
 
 @dataclass

@@ -103,8 +103,13 @@ def group_by_pending(rows: Sequence["TokenRow"], where: Sequence[int]
     first column (first-seen order): one gather per producing step when a consumer copies them
     into its inputs."""
     groups: dict[tuple[int, int], tuple[PendingTokens, list[int], list[TokenRow]]] = {}
+    pend, offset, g = None, -1, None
     for w, r in zip(where, rows):
-        g = groups.setdefault((id(r.pending), r.offset), (r.pending, [], []))
+        if r.pending is not pend or r.offset != offset:    # rows of one producer mostly come together
+            pend, offset = r.pending, r.offset
+            g = groups.get((id(pend), offset))
+            if g is None:
+                g = groups[(id(pend), offset)] = (pend, [], [])
         g[1].append(w)
         g[2].append(r)
     return list(groups.values())
@@ -127,11 +132,17 @@ def gather_into(dst: torch.Tensor, rows: Sequence["TokenRow"], at: Sequence[int]
 
 def gather_shifts(dst: torch.Tensor, shifts: Sequence[Optional["TokenRow"]]) -> None:
     """dst [N] int64 on the device <- the continued segments' start shifts (`ForwardSegment.start_shift`,
-    one committed count each, still on the device), 0 where a segment has none; never waits."""
-    dst.zero_()
-    at = [j for j, sh in enumerate(shifts) if sh is not None]
+    one committed count each, still on the device) for rows 0..len(shifts)-1; 0 in every other row
+    (a segment without one, padding rows); never waits."""
+    at, rows = [], []
+    for j, sh in enumerate(shifts):
+        if sh is not None:
+            at.append(j)
+            rows.append(sh)
+    if len(at) < dst.shape[0]:    # else every row is written below
+        dst.zero_()
     if at:
-        gather_into(dst[:, None], [shifts[j] for j in at], at)
+        gather_into(dst[:, None], rows, at)
 
 
 class VerifyTokens(_HostInts):

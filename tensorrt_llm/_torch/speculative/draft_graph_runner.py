@@ -45,12 +45,13 @@ import torch
 from ..attention_backend.interface import BAD_PAGE_INDEX, AttentionBackend, AttentionMetadata, host_ints
 from ..models.dspark_regions import draft_addressing
 from ..pyexecutor.kv_cache.resource_manager import KVCacheManager
-from ..runtime.cuda_graph import GraphCache, GraphEntry, batch_buckets, check_graph_support, owned_rows
+from ..runtime.cuda_graph import GraphCache, GraphEntry, batch_buckets, check_graph_support
 from ..runtime.llm_request import LlmRequest, RequestState
 from ..runtime.step import DraftsAhead, VerifiedSegment
 from ..runtime.token_rows import PendingTokens, TokenRow, gather_shifts
 
 logger = logging.getLogger("tensorrt_llm")
+_GENERATION = RequestState.GENERATION    # read per request per step (`takes`)
 
 
 @dataclass
@@ -122,7 +123,7 @@ class DraftGraphRunner:
     @staticmethod
     def takes(req: LlmRequest) -> bool:
         """A request the device draft step drafts for: generating, not finished, greedy."""
-        return req.state == RequestState.GENERATION and not req.is_finished and req.sampling_params.greedy
+        return req.state is _GENERATION and req.sampling_params.greedy    # GENERATION: not finished
 
     def plan(self, items: Sequence[VerifiedSegment], counts: Sequence[int]) -> tuple[list[int], Optional[DraftPlan]]:
         """(indices of the items that can launch, in order; their `DraftPlan`), ([], None) when none
@@ -138,8 +139,7 @@ class DraftGraphRunner:
         shifted = np.fromiter((items[i].start_shift is not None for i in cand), dtype=bool, count=len(cand))
         rows = self.kv.rows(rids)
         # context, then the furthest block (a continued segment starts up to q_max positions later)
-        slots = self.kv.slots_batch(rids, starts, self.q_max + q + s if shifted.any() else q + s, rows=rows)
-        owned = np.where(shifted, owned_rows(slots), owned_rows(slots[:, :q + s]))
+        owned = self.kv.owns_span(rows, starts, np.where(shifted, self.q_max + q + s, q + s))
         ok = np.flatnonzero(owned)[:self.buckets[-1]]
         if not len(ok):
             return [], None
@@ -250,7 +250,7 @@ class DraftGraphRunner:
         if entry.io.is_cuda:
             entry.copied = torch.cuda.Event()
             entry.copied.record()
-        gather_shifts(entry.shift, list(shifts) + [None] * (bucket - b))
+        gather_shifts(entry.shift, shifts)
         entry.captured[:b * q].copy_(captured)
         entry.verified[:b].copy_(verified)
         if b < bucket:                     # padding rows: one committed token, at position 0

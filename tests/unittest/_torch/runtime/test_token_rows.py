@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tensorrt_llm._torch.pyexecutor.cuda_graph_runner import gather_drafts
-from tensorrt_llm._torch.runtime.token_rows import TokenRow, PendingTokens, VerifyTokens
+from tensorrt_llm._torch.runtime.token_rows import TokenRow, PendingTokens, VerifyTokens, gather_shifts
 
 
 def test_rows_lengths_and_values():
@@ -51,3 +51,19 @@ def test_gather_drafts_matches_the_host_values_in_any_row_order():
         assert not torch.equal(dst, swapped), name
     with pytest.raises(ValueError, match="verify segment of 3 tokens"):
         gather_drafts(torch.zeros(2, q, dtype=torch.long), [VerifyTokens(1, a.row(0, 2))], [0])
+
+
+def test_gather_shifts_zero_every_row_without_one():
+    """Rows with a shift get its device value; rows without one and rows past the list are 0, also
+    over a buffer holding last step's values; a list covering every row writes every row."""
+    pend = PendingTokens(torch.tensor([[3, 9], [1, 9], [2, 9]]))
+    shift = [pend.row(j, 1) for j in range(3)]
+    dst = torch.full((5,), 77)
+    gather_shifts(dst, [shift[2], None, shift[0]])
+    assert dst.tolist() == [2, 0, 3, 0, 0]
+    dst.fill_(77)
+    gather_shifts(dst[:3], shift)
+    assert dst.tolist() == [3, 1, 2, 77, 77]
+    # negative control: the same shifts at other rows give other values
+    gather_shifts(dst, [shift[0], None, shift[2]])
+    assert dst.tolist() != [2, 0, 3, 0, 0]

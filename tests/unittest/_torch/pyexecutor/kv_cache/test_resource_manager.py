@@ -276,6 +276,60 @@ def test_slots_batch_and_block_tables_match_reference_on_random_state():
     assert kv.slots_batch([r], [0], 1).tolist() != [kv.slots(r, 0, 1)]
 
 
+def test_owns_span_equals_the_slots_rule_on_random_state():
+    """owns_span (page counts only) == every slot of the span >= 0 (`slots_batch`, the per-slot rule),
+    for scalar and per-request counts, starts before, inside and past the owned pages."""
+    import random
+
+    import numpy as np
+    rng = random.Random(2)
+    kv = _random_live_manager(rng)
+    live = sorted(kv.seqs)
+    seen = {True: 0, False: 0}
+    for trial in range(300):
+        ids = rng.sample(live, rng.randrange(1, len(live) + 1))
+        rows = kv.rows(ids)
+        starts = np.array([rng.randrange(-3, kv.max_blocks_per_seq * P + P) for _ in ids], dtype=np.int64)
+        count = rng.randrange(1, 3 * P) if trial % 2 else np.array([rng.randrange(1, 3 * P) for _ in ids])
+        got = kv.owns_span(rows, starts, count)
+        width = int(np.max(count))
+        slots = kv.slots_batch(ids, starts, width, rows=rows)
+        ref = [bool((slots[b, :c] >= 0).all()) for b, c in enumerate(np.broadcast_to(count, (len(ids),)))]
+        assert got.tolist() == ref
+        for v in ref:
+            seen[v] += 1
+    assert seen[True] > 100 and seen[False] > 100        # both answers exercised
+    # negative control: one position past the last owned page is not owned
+    r = next(r for r in live if kv.seqs[r].pages)
+    end = len(kv.seqs[r].pages) * P
+    assert kv.owns_span(kv.rows([r]), np.array([end - 4]), 4).tolist() == [True]
+    assert kv.owns_span(kv.rows([r]), np.array([end - 4]), 5).tolist() == [False]
+
+
+def test_ensure_capacity_batch_equals_per_request_calls():
+    """The batched capacity check leaves the same pages, tables and reservations as one
+    `ensure_capacity` per request (requests short of pages, with enough, and capped by their
+    reservation); negative control: the short requests did get pages."""
+    import random
+    rng = random.Random(4)
+    a, b = manager(num_pages=120, max_seq_len=96), manager(num_pages=120, max_seq_len=96)
+    for kv in (a, b):
+        for rid in range(10):
+            kv.add_sequence(rid, [rid] * 3, 20 + 7 * rid)
+            kv.ensure_capacity(rid, 5 * rid)
+    before = {r: len(a.seqs[r].pages) for r in a.seqs}
+    for _ in range(5):
+        ids = rng.sample(range(10), rng.randrange(1, 11))
+        need = [rng.randrange(0, 120) for _ in ids]
+        for r, n in zip(ids, need):
+            a.ensure_capacity(r, n)
+        b.ensure_capacity_batch(ids, need)
+        assert {r: s.pages for r, s in a.seqs.items()} == {r: s.pages for r, s in b.seqs.items()}
+        assert (a.page_table == b.page_table).all() and a.available_pages() == b.available_pages()
+    assert any(len(b.seqs[r].pages) > n for r, n in before.items())
+    b.ensure_capacity_batch([], [])
+
+
 def test_attention_metadata_matches_per_request_slots():
     """The vectorised metadata equals the per-token reference (`slots`, per-request tables) for uneven
     lengths, starts inside and past a request's owned pages, and one-token segments; negative
