@@ -44,15 +44,15 @@ class SpecStep:
     verify_width: int
     ahead: Optional[DraftsAhead]       # the next drafts, launched from the device-side verify rows
 
-    def read(self) -> tuple[list[int], dict[int, list[int]]]:
-        """(chosen id per logits row of the prompt ends; {request id: verify row} without padding):
-        waits for this step's host copy only."""
+    def read(self) -> tuple[list[int], list[Optional[list[int]]]]:
+        """(chosen id per logits row of the prompt ends; per request of `reqs` its verify row without
+        padding, None when it has none): waits for this step's host copy only."""
         host = self.copy.rows()[0] if self.copy is not None else []
         n, k1 = self.num_chosen, self.verify_width
-        verified: dict[int, list[int]] = {}
+        verified: list[Optional[list[int]]] = [None] * len(self.reqs)
         for j, i in enumerate(self.live):
             row = host[n + j * k1:n + (j + 1) * k1]
-            verified[self.reqs[i].request_id] = row[:row.index(-1)] if -1 in row else row
+            verified[i] = row[:row.index(-1)] if -1 in row else row
         return host[:n], verified
 
     @property

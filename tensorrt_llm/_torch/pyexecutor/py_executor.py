@@ -29,6 +29,7 @@ from .kv_cache.resource_manager import KVCacheManager
 from .model_engine import ModelEngine
 from .inflight_steps import OverlapStep, SpecStep, last_token_pending
 from .scheduler import ScheduledBatch, Scheduler
+from .step_segments import build_segments
 from .stop_criteria import append_tokens
 
 if TYPE_CHECKING:
@@ -217,7 +218,9 @@ class PyExecutor:
         # are back in the pool (a caller that sees it finished also sees its KV freed).
         self._notices = []
         try:
-            reqs, segments = self._build_segments(batch)
+            ahead = self._spec_inflight.ahead if self._spec_inflight is not None else None
+            reqs = batch.context_requests + batch.generation_requests
+            segments = build_segments(batch, self.kv, self.drafter, ahead)
             num_ctx = len(batch.context_requests)
             self.prompt_steps += int(num_ctx > 0)
             try:   # a steady-state DSpark step runs as one graph; any other step the target forward
@@ -339,34 +342,6 @@ class PyExecutor:
             self._release_ids.add(request_id)
         self._wake.set()
 
-    def _build_segments(self, batch: ScheduledBatch) -> tuple[list[LlmRequest], list[ForwardSegment]]:
-        """Requests of the step (prompt chunks first) and their forward segments; owns their pages."""
-        segments: list[ForwardSegment] = []
-        ensure = self.kv.ensure_capacity
-        room = self.drafter.lookahead_tokens if self.drafter is not None else 0
-        for req, n in zip(batch.context_requests, batch.context_chunks):
-            start = req.num_computed
-            finishes = start + n >= req.prompt_len
-            ensure(req.request_id, start + n + (room if finishes else 0))
-            segments.append(ForwardSegment(req.request_id, req.prompt_token_ids[start:start + n],
-                                           start, 1 if finishes else 0))
-        ahead = self._spec_inflight.ahead if self._spec_inflight is not None else None
-        gens = batch.generation_requests
-        n = self.drafter.draft_len(len(gens)) if self.drafter is not None else 0
-        late = 1 + self.drafter.max_draft_len if self.drafter is not None else 0   # most a continued start lags
-        for req in gens:
-            start, shift = req.num_computed, None
-            if ahead is not None and req.request_id in ahead.rows:
-                # continued: [anchor, drafts] and the count the step in flight commits, on the device
-                toks, shift = ahead.next_segment(req.request_id, n), ahead.committed(req.request_id)
-            elif self.drafter is not None:
-                toks = self.drafter.verify_tokens(req, n)
-            else:   # overlap: the previous step's token is still on the device
-                toks = req.next_input if req.next_input is not None else [req.token_at(start)]
-            ensure(req.request_id, start + len(toks) + (late if shift is not None else 0) + room)
-            segments.append(ForwardSegment(req.request_id, toks, start, len(toks), shift))
-        return batch.context_requests + batch.generation_requests, segments
-
     def _launch_choice(self, reqs: list[LlmRequest], segments: list[ForwardSegment], num_ctx: int,
                        out: ForwardOutput, launch: Optional[SpecLaunch] = None) -> "SpecStep":
         """Queue every token choice of the step on the device and their ONE device->host copy: the
@@ -420,7 +395,8 @@ class PyExecutor:
             self._isolated(lambda cs: self.drafter.draft(cs, step.out.captured, step.ahead), commits,
                            lambda c: c.req)
         for req in step.reqs:
-            self._finish_context_only(req)
+            if req.context_only:
+                self._finish_context_only(req)
 
     def _complete_spec_inflight(self) -> None:
         step, self._spec_inflight = self._spec_inflight, None
@@ -489,16 +465,17 @@ class PyExecutor:
         return out
 
     def _update_requests(self, reqs: list[LlmRequest], segments: list[ForwardSegment], num_ctx: int,
-                         out: ForwardOutput, chosen: list[int], verified: dict[int, list[int]]
+                         out: ForwardOutput, chosen: list[int], verified: list[Optional[list[int]]]
                          ) -> list[StepCommit]:
-        """Append the chosen / verified tokens, apply stop criteria, notify, record committed tokens
-        with the KV manager; returns what the drafter needs (empty without a drafter)."""
+        """Append the chosen / verified tokens (verified[i]: request i's verify row), apply stop
+        criteria, notify, record committed tokens with the KV manager; returns what the drafter needs
+        (empty without a drafter)."""
         drafter, kv = self.drafter, self.kv
+        caching, finished = kv.prefix_caching, RequestState.FINISHED
         commits: list[StepCommit] = []
         for i, (req, seg) in enumerate(zip(reqs, segments)):
-            if req.is_finished:          # failed earlier in this step (its verify)
+            if req.state is finished:    # failed earlier in this step (its verify)
                 continue
-            lo = out.logits_offsets[i]
             try:
                 if i < num_ctx:
                     req.num_computed += len(seg.token_ids)
@@ -508,20 +485,20 @@ class PyExecutor:
                         req.state = RequestState.GENERATION
                         if req.first_token_time is None:
                             req.first_token_time = time.perf_counter()
-                        self._append(req, [chosen[lo]])
+                        self._append(req, [chosen[out.logits_offsets[i]]])
                 elif drafter is None:
                     req.num_computed += 1
-                    self._append(req, [chosen[lo]])
+                    self._append(req, [chosen[out.logits_offsets[i]]])
                 else:   # the host count is the segment's real start (a continued one's shift is read)
-                    new = drafter.accept(req, verified[req.request_id], len(seg.token_ids) - 1)
-                    start = req.num_computed
-                    req.num_computed += len(new)
-                    commits.append(StepCommit(req, out.token_offsets[i], start, len(new)))
+                    new = drafter.accept(req, verified[i], len(seg.token_ids) - 1)
+                    start, k = req.num_computed, len(new)
+                    req.num_computed += k
+                    commits.append(StepCommit(req, out.token_offsets[i], start, k))
                     self._append(req, new)
-                if i >= num_ctx and req.state is RequestState.FINISHED:
+                if i >= num_ctx and req.state is finished:
                     # a stop drops the token(s) after it (only a finished request drops any)
                     req.num_computed = min(req.num_computed, req.num_tokens)
-                if kv.wants_commit(req.request_id, req.num_computed):
+                if caching and kv.wants_commit(req.request_id, req.num_computed):
                     kv.commit(req.request_id, req.all_token_ids, req.num_computed)
             except Exception as e:
                 if is_device_fault(e):
