@@ -170,8 +170,8 @@ class DrafterRegions:
 
 @functools.cache
 def _inductor_regions() -> DrafterRegions:
-    def compiled(fn: Callable) -> Callable:
-        return torch.compile(fn, dynamic=True)
-    return DrafterRegions(compiled(features), compiled(gqa_project_kv), compiled(gqa_attention_inputs),
-                          compiled(mla_latent), compiled(mla_attention_inputs), LayerRegions.inductor().output,
-                          compiled(greedy_drafts), compiled(draft_addressing), compiled=True)
+    from ..modules.inductor_passes import compile_region
+    c = compile_region
+    return DrafterRegions(c(features), c(gqa_project_kv), c(gqa_attention_inputs), c(mla_latent),
+                          c(mla_attention_inputs), LayerRegions.inductor().output, c(greedy_drafts),
+                          c(draft_addressing), compiled=True)

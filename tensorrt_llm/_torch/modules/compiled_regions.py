@@ -9,9 +9,9 @@ Between two attentions a model runs one layer's output and the next layer's atte
 one region (`output_then_inputs`), so the residual add and the next RMSNorm fuse as well.
 
 Eagerly each region is a dozen small kernels (the casts, the rotation's slices and products,
-the residual adds); `torch.compile` (inductor, no CUDA graphs of its own) fuses the pointwise
-work between the GEMMs into a few Triton kernels, and the engine's CUDA graphs (whole-step,
-piecewise, draft) capture the compiled code like any other. The functions take every weight as
+the residual adds); `torch.compile` (inductor, no CUDA graphs of its own; `inductor_passes`) fuses
+the pointwise work between the GEMMs into a few Triton kernels, and the engine's CUDA graphs
+(whole-step, piecewise, draft) capture the compiled code like any other. The functions take every weight as
 an argument, so one compiled graph serves all layers (dynamo guards on shapes and dtypes, not
 on modules); token counts are dynamic (one trace for T = 1, one for any other T).
 
@@ -101,5 +101,6 @@ class LayerRegions:
 
 @functools.cache
 def _inductor_regions() -> LayerRegions:
-    return LayerRegions(torch.compile(attention_inputs, dynamic=True), torch.compile(layer_output, dynamic=True),
-                        torch.compile(output_then_inputs, dynamic=True), compiled=True)
+    from .inductor_passes import compile_region
+    return LayerRegions(compile_region(attention_inputs), compile_region(layer_output),
+                        compile_region(output_then_inputs), compiled=True)
