@@ -73,10 +73,10 @@ def host_input_ids(dst: np.ndarray, segments) -> tuple[list[int], list[int]]:
     lazy, rows, host = [], [], []
     for j, seg in enumerate(segments):
         t = seg.token_ids
-        if isinstance(t, VerifyTokens):
-            lazy.append(j)
-        elif isinstance(t, TokenRow):
+        if isinstance(t, TokenRow):     # a continued segment (the steady state: checked first)
             rows.append(j)
+        elif isinstance(t, VerifyTokens):
+            lazy.append(j)
         else:
             host.append(j)
     if lazy or rows:     # one bulk fill, not a numpy write per row
@@ -201,7 +201,7 @@ class CUDAGraphRunner:
         if not self.kv.owns_span(rows, starts, (max(self.token_counts) if shifted else 0) + q + extra).all():
             return None
         bucket = self._bucket(len(segments)) if self.graphs.capture else len(segments)
-        return StepPlan(bucket, q, self.kv.slots_batch(rids, starts, q, rows=rows), rows, starts, shifted)
+        return StepPlan(bucket, q, self.kv.owned_slots(rows, starts, q), rows, starts, shifted)
 
     # ---- run -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -273,7 +273,8 @@ class CUDAGraphRunner:
             table[b:, 0] = self.scratch_page
         entry.io.copy_(entry.host, non_blocking=True)
         if entry.io.is_cuda:
-            entry.copied = torch.cuda.Event()
+            if entry.copied is None:        # one event per entry, re-recorded by every copy
+                entry.copied = torch.cuda.Event()
             entry.copied.record()
         device_input_ids(entry.input_ids.view(bucket, q), segments, lazy, rows)
         if entry.shift is not None:

@@ -59,14 +59,17 @@ class SpecStep:
     def deferrable(self) -> bool:
         """Its reading may wait a step: no prompt chunk, and every verified request drafted ahead (its
         next segment can be launched from the device rows)."""
-        return (self.num_ctx == 0 and self.ahead is not None and bool(self.live)
-                and all(self.reqs[i].request_id in self.ahead.rows for i in self.live))
+        if self.num_ctx or self.ahead is None or not self.live:
+            return False
+        reqs, rows = self.reqs, self.ahead.rows
+        return all(reqs[i].request_id in rows for i in self.live)
 
     def continuable(self, gens: Sequence[LlmRequest]) -> tuple[list[LlmRequest], bool]:
         """(the generating requests the next step may launch before this step is read: those not in
         it, and those it drafted ahead unless it may finish them by length; whether any of them
         continues a segment of this step)."""
-        in_step = {self.reqs[i].request_id: len(self.segments[i].token_ids) for i in self.live}
+        reqs, segments = self.reqs, self.segments
+        in_step = {reqs[i].request_id: len(segments[i].token_ids) for i in self.live}
         rows = self.ahead.rows if self.ahead is not None else {}
         kept = [r for r in gens if (q := in_step.get(r.request_id)) is None
                 or (r.request_id in rows and len(r.output_token_ids) + q < r.sampling_params.max_tokens)]

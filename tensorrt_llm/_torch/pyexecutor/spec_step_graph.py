@@ -80,7 +80,7 @@ class SpecStepGraph:
         """Host-known per-request conditions (the target's plan adds the shape, bucket and page checks)."""
         if not segments:
             return False
-        return len(segments[0].token_ids) in self.draft.widths and all(self.draft.takes(r) for r in reqs)
+        return len(segments[0].token_ids) in self.draft.widths and all(map(self.draft.takes, reqs))
 
     @torch.inference_mode()
     def run(self, reqs: Sequence[LlmRequest], segments: Sequence[ForwardSegment]) -> Optional[SpecLaunch]:

@@ -248,7 +248,8 @@ class DraftGraphRunner:
         table[b:, 0] = scratch
         entry.io.copy_(entry.host, non_blocking=True)
         if entry.io.is_cuda:
-            entry.copied = torch.cuda.Event()
+            if entry.copied is None:        # one event per entry, re-recorded by every copy
+                entry.copied = torch.cuda.Event()
             entry.copied.record()
         gather_shifts(entry.shift, shifts)
         entry.captured[:b * q].copy_(captured)

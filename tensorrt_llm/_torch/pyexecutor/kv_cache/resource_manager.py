@@ -260,6 +260,13 @@ class KVCacheManager:
             pos = pos + np.arange(count, dtype=np.int64)
         return self._slots_at(rows.reshape(-1, 1), pos)
 
+    def owned_slots(self, rows: np.ndarray, starts: np.ndarray, count: int) -> np.ndarray:
+        """[B, count] int64 flat slots of positions starts[b]..starts[b]+count-1 that `owns_span` found
+        owned: `slots_batch`'s values without its handling of unowned positions (wrong for those)."""
+        p = self.tokens_per_block
+        bi, off = np.divmod(starts.reshape(-1, 1) + np.arange(count, dtype=np.int64), p)
+        return self._table[rows.reshape(-1, 1), bi] * p + off
+
     def owns_span(self, rows: np.ndarray, starts: np.ndarray, count: int | np.ndarray) -> np.ndarray:
         """[B] bool: every position starts[b]..starts[b]+count[b]-1 (count >= 1) lies in the pages the
         request of page-table row rows[b] owns, i.e. `(slots_batch(...) >= 0).all(1)` without building

@@ -278,14 +278,15 @@ def test_slots_batch_and_block_tables_match_reference_on_random_state():
 
 def test_owns_span_equals_the_slots_rule_on_random_state():
     """owns_span (page counts only) == every slot of the span >= 0 (`slots_batch`, the per-slot rule),
-    for scalar and per-request counts, starts before, inside and past the owned pages."""
+    for scalar and per-request counts, starts before, inside and past the owned pages; owned_slots ==
+    slots_batch on the owned spans."""
     import random
 
     import numpy as np
     rng = random.Random(2)
     kv = _random_live_manager(rng)
     live = sorted(kv.seqs)
-    seen = {True: 0, False: 0}
+    seen = {True: 0, False: 0, "slots": 0}
     for trial in range(300):
         ids = rng.sample(live, rng.randrange(1, len(live) + 1))
         rows = kv.rows(ids)
@@ -298,12 +299,17 @@ def test_owns_span_equals_the_slots_rule_on_random_state():
         assert got.tolist() == ref
         for v in ref:
             seen[v] += 1
-    assert seen[True] > 100 and seen[False] > 100        # both answers exercised
+        if np.ndim(count) == 0 and got.any():    # owned_slots: the slots' values on the owned spans
+            assert (kv.owned_slots(rows[got], starts[got], count) == slots[got]).all()
+            seen["slots"] += int(got.sum())
+    assert seen[True] > 100 and seen[False] > 100 and seen["slots"] > 100     # both answers exercised
     # negative control: one position past the last owned page is not owned
     r = next(r for r in live if kv.seqs[r].pages)
     end = len(kv.seqs[r].pages) * P
     assert kv.owns_span(kv.rows([r]), np.array([end - 4]), 4).tolist() == [True]
     assert kv.owns_span(kv.rows([r]), np.array([end - 4]), 5).tolist() == [False]
+    assert kv.owned_slots(kv.rows([r]), np.array([end - 4]), 4).tolist() == kv.slots_batch([r], [end - 4], 4).tolist()
+    assert kv.owned_slots(kv.rows([r]), np.array([end - 3]), 4).tolist() != kv.slots_batch([r], [end - 4], 4).tolist()
 
 
 def test_ensure_capacity_batch_equals_per_request_calls():
