@@ -5,9 +5,11 @@ Inductor folds a residual add into the GEMM before it (`h + x @ w.T` -> `addmm(h
 full [T, N] residual, ATen's CUDA addmm first copies h into its output (a `Memcpy DtoD` at T > 1, a
 cuBLAS copy kernel at T = 1) and then runs the GEMM with beta = 1: one launch more per residual add,
 two per decoder layer (o_proj and down_proj), in every step. `ResidualMatmulPass` runs after
-inductor's own post-grad patterns and turns such an addmm back into mm + add, so the add fuses into
-the kernel after it (the next RMSNorm's, which stores the residual stream anyway). A broadcast bias
-(an [N] row: cuBLASLt adds it in the GEMM's epilogue, no copy) keeps its addmm.
+inductor's own post-grad patterns and turns such an addmm back into mm + add where the sum feeds
+more work of the region, so the add fuses into the kernel after it (the next RMSNorm's, which
+stores the residual stream anyway). An addmm whose sum is only the region's output keeps it (the
+add would be a kernel of its own), and so does a broadcast bias (an [N] row: cuBLASLt adds it in
+the GEMM's epilogue, no copy).
 """
 from __future__ import annotations
 
@@ -22,18 +24,22 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 aten = torch.ops.aten
 
 
-def _full_residual(match: Match) -> bool:
-    """The addmm's added input has the output's shape (a residual, not a broadcast bias)."""
-    inp = match.kwargs["inp"]
+def _fusable_residual(match: Match) -> bool:
+    """The addmm's added input has the output's shape (a residual, not a broadcast bias), and its sum
+    feeds more of the graph than its output."""
+    inp, node = match.kwargs["inp"], match.output_node()
+    if all(user.op == "output" for user in node.users):
+        return False
     val = inp.meta.get("val") if isinstance(inp, torch.fx.Node) else None
-    out = match.output_node().meta.get("val")
+    out = node.meta.get("val")
     if not isinstance(val, torch.Tensor) or not isinstance(out, torch.Tensor) or val.dim() != out.dim():
         return False
     return all(statically_known_true(a == b) for a, b in zip(val.shape, out.shape))
 
 
 class ResidualMatmulPass(CustomGraphPass):
-    """Post-grad pass: addmm(h, x, w) with a full residual h -> h + mm(x, w) (module doc)."""
+    """Post-grad pass: addmm(h, x, w) with a full residual h whose sum feeds more work -> h + mm(x, w)
+    (module doc)."""
 
     def __init__(self) -> None:
         self._patterns = PatternMatcherPass()
@@ -41,7 +47,7 @@ class ResidualMatmulPass(CustomGraphPass):
         def unfuse(match: Match, mat1: torch.fx.Node, mat2: torch.fx.Node, *, inp: torch.fx.Node) -> None:
             match.replace_by_example(lambda h, x, w: h + x @ w, [inp, mat1, mat2])
         register_graph_pattern(CallFunction(aten.addmm, KeywordArg("inp"), Arg(), Arg()),
-                               pass_dict=self._patterns, extra_check=_full_residual)(unfuse)
+                               pass_dict=self._patterns, extra_check=_fusable_residual)(unfuse)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         self._patterns.apply(graph)

@@ -1,10 +1,11 @@
 """`inductor_passes.ResidualMatmulPass`: the compiled layer regions keep their residual adds out of
 the GEMMs (no addmm with a full [T, N] input, whose ATen CUDA kernel copies that input first).
 
-CPU: inductor alone folds both residual adds of `layer_output` into addmm (the control); with the
-pass the region calls three plain mm and no addmm, and its update to the residual stream equals the
-eager region's within 1e-5 (relative; a perturbed weight lands beyond 1e-2); a linear's broadcast
-bias keeps its addmm.
+CPU: inductor alone folds both residual adds of `layer_output` and `output_then_inputs` into addmm
+(the control); with the pass the adds whose sums feed the next RMSNorm are plain mm + add (none left
+in `output_then_inputs`; `layer_output` keeps the one that is only its output), and the regions'
+updates to the residual stream equal the eager ones within 1e-5 (relative; a perturbed weight lands
+beyond 1e-2); a linear's broadcast bias keeps its addmm.
 GPU (bf16, 9 tokens): the compiled `output_then_inputs` runs no `Memcpy DtoD` (plain inductor: one
 per residual add) and stays within 2e-2 of the eager region.
 """
@@ -43,18 +44,29 @@ def test_residual_adds_stay_out_of_the_gemms(t):
     w = _weights(torch.device("cpu"), torch.float32)
     g = torch.Generator().manual_seed(t)
     h, o = torch.randn(t, H, generator=g), torch.randn(t, HQ * D, generator=g)
-    args = (h, o, w["o"], w["norm"], 1e-6, w["gu"], w["down"])
-    want = layer_output(*args)
-    _, plain = _code(torch.compile(layer_output, dynamic=True), *args)
-    assert plain.count("extern_kernels.addmm(") == 2                  # control: inductor alone folds them
-    got, code = _code(compile_region(layer_output), *args)
-    assert code.count("extern_kernels.addmm(") == 0 and code.count("extern_kernels.mm(") == 3
+    ang = torch.randn(t, 1, D // 2, generator=g)
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    out_args = (h, o, w["o"], w["norm"], 1e-6, w["gu"], w["down"])
+    args = out_args + (w["norm"], 1e-6, w["qkv"], None, cos, sin, HQ, HKV, D)
+    addmm, mm = "extern_kernels.addmm(", "extern_kernels.mm("
+    # layer_output: the o_proj sum feeds the RMSNorm (unfused), the down_proj sum is only the output (kept)
+    assert _code(torch.compile(layer_output, dynamic=True), *out_args)[1].count(addmm) == 2   # control
+    got, code = _code(compile_region(layer_output), *out_args)
+    assert code.count(addmm) == 1 and code.count(mm) == 2
+    want = layer_output(*out_args)
     assert _rel(got - h, want - h) < 1e-5                             # the layer's update to the residual
+    # output_then_inputs: both sums feed an RMSNorm
+    assert _code(torch.compile(output_then_inputs, dynamic=True), *args)[1].count(addmm) == 2
+    got, code = _code(compile_region(output_then_inputs), *args)
+    assert code.count(addmm) == 0 and code.count(mm) == 4
+    ref = output_then_inputs(*args)
+    assert _rel(got[0] - h, ref[0] - h) < 1e-5 and all(_rel(x, y) < 1e-5 for x, y in zip(got[1:], ref[1:]))
     bad = layer_output(h, o, w["o"] * 1.5, w["norm"], 1e-6, w["gu"], w["down"])
     assert _rel(bad - h, want - h) > 1e-2
-    # a bias row is no residual: cuBLASLt adds it in the GEMM's epilogue, the addmm stays
-    _, biased = _code(compile_region(lambda x, wt, b: F.linear(x, wt, b)), o, w["o"], w["norm"])
-    assert biased.count("extern_kernels.addmm(") == 1
+    # a bias row is no residual (cuBLASLt adds it in the GEMM's epilogue): its addmm stays, also when
+    # the sum feeds more work
+    _, biased = _code(compile_region(lambda x, wt, b: F.linear(x, wt, b).softmax(-1)), o, w["o"], w["norm"])
+    assert biased.count(addmm) == 1
     torch._dynamo.reset()
 
 
