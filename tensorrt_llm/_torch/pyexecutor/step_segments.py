@@ -5,7 +5,7 @@
                     flight drafted ahead continues from that step's device rows (`start_shift`)
 
 Building them also gives every request the pages its segment (and, at a prompt's end or in a
-verify step, the draft block after it) writes: one batched capacity check for the step.
+verify step, the draft block after it) writes.
 """
 from __future__ import annotations
 
@@ -22,14 +22,12 @@ def build_segments(batch: ScheduledBatch, kv: KVCacheManager, drafter: Optional[
     """Segments of batch.context_requests + batch.generation_requests, in that order; ahead: the
     drafts the DSpark step in flight launched (its requests continue from them), or None."""
     segments: list[ForwardSegment] = []
-    rids: list[int] = []
-    needs: list[int] = []            # tokens each request must own pages for
+    ensure = kv.ensure_capacity      # returns at once when the pages suffice (most requests, most steps)
     room = drafter.lookahead_tokens if drafter is not None else 0
     for req, n in zip(batch.context_requests, batch.context_chunks):
         start = req.num_computed
         finishes = start + n >= req.prompt_len
-        rids.append(req.request_id)
-        needs.append(start + n + (room if finishes else 0))
+        ensure(req.request_id, start + n + (room if finishes else 0))
         segments.append(ForwardSegment(req.request_id, req.prompt_token_ids[start:start + n],
                                        start, 1 if finishes else 0))
     continued = ahead.rows if ahead is not None else {}
@@ -46,8 +44,6 @@ def build_segments(batch: ScheduledBatch, kv: KVCacheManager, drafter: Optional[
             else:   # overlap: the previous step's token is still on the device
                 toks = req.next_input if req.next_input is not None else [req.token_at(start)]
             seg, lag = ForwardSegment(rid, toks, start, len(toks)), 0
-        rids.append(rid)
-        needs.append(start + seg.num_logits + lag + room)    # a generation segment: a logit per token
+        ensure(rid, start + seg.num_logits + lag + room)    # a generation segment: a logit per token
         segments.append(seg)
-    kv.ensure_capacity_batch(rids, needs)
     return segments

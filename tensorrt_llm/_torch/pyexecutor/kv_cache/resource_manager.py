@@ -183,16 +183,6 @@ class KVCacheManager:
         self._num_pages[seq.row] = len(seq.pages)
         return len(seq.pages) * self.tokens_per_block
 
-    def ensure_capacity_batch(self, req_ids: Sequence[int], num_tokens: Sequence[int]) -> None:
-        """`ensure_capacity(req_ids[i], num_tokens[i])` for each request, calling it only for those
-        whose owned pages fall short (one vectorised check: a step's requests mostly own enough)."""
-        if not req_ids:
-            return
-        need = np.fromiter(num_tokens, dtype=np.int64, count=len(req_ids))
-        short = np.flatnonzero(need > self._num_pages[self.rows(req_ids)] * self.tokens_per_block)
-        for i in short.tolist():
-            self.ensure_capacity(req_ids[i], int(need[i]))
-
     def owned_tokens(self, req_id: int) -> int:
         return len(self.seqs[req_id].pages) * self.tokens_per_block
 

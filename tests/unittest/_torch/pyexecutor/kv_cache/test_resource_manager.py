@@ -312,30 +312,6 @@ def test_owns_span_equals_the_slots_rule_on_random_state():
     assert kv.owned_slots(kv.rows([r]), np.array([end - 3]), 4).tolist() != kv.slots_batch([r], [end - 4], 4).tolist()
 
 
-def test_ensure_capacity_batch_equals_per_request_calls():
-    """The batched capacity check leaves the same pages, tables and reservations as one
-    `ensure_capacity` per request (requests short of pages, with enough, and capped by their
-    reservation); negative control: the short requests did get pages."""
-    import random
-    rng = random.Random(4)
-    a, b = manager(num_pages=120, max_seq_len=96), manager(num_pages=120, max_seq_len=96)
-    for kv in (a, b):
-        for rid in range(10):
-            kv.add_sequence(rid, [rid] * 3, 20 + 7 * rid)
-            kv.ensure_capacity(rid, 5 * rid)
-    before = {r: len(a.seqs[r].pages) for r in a.seqs}
-    for _ in range(5):
-        ids = rng.sample(range(10), rng.randrange(1, 11))
-        need = [rng.randrange(0, 120) for _ in ids]
-        for r, n in zip(ids, need):
-            a.ensure_capacity(r, n)
-        b.ensure_capacity_batch(ids, need)
-        assert {r: s.pages for r, s in a.seqs.items()} == {r: s.pages for r, s in b.seqs.items()}
-        assert (a.page_table == b.page_table).all() and a.available_pages() == b.available_pages()
-    assert any(len(b.seqs[r].pages) > n for r, n in before.items())
-    b.ensure_capacity_batch([], [])
-
-
 def test_attention_metadata_matches_per_request_slots():
     """The vectorised metadata equals the per-token reference (`slots`, per-request tables) for uneven
     lengths, starts inside and past a request's owned pages, and one-token segments; negative
