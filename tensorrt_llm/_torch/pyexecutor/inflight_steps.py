@@ -38,7 +38,9 @@ class SpecStep:
     segments: list[ForwardSegment]
     num_ctx: int
     out: ForwardOutput
-    copy: Optional[PendingTokens]      # [1, num_chosen + len(live) * verify_width] chosen ids, verify rows
+    # chosen ids and verify rows: [1, num_chosen + len(live) * verify_width], or (a one-graph step, no
+    # chosen ids) [len(live), W] with the verify rows in the first verify_width columns
+    copy: Optional[PendingTokens]
     num_chosen: int
     live: list[int]                    # indices into reqs of the verify rows, in order
     verify_width: int
@@ -47,13 +49,13 @@ class SpecStep:
     def read(self) -> tuple[list[int], list[Optional[list[int]]]]:
         """(chosen id per logits row of the prompt ends; per request of `reqs` its verify row without
         padding, None when it has none): waits for this step's host copy only."""
-        host = self.copy.rows()[0] if self.copy is not None else []
-        n, k1 = self.num_chosen, self.verify_width
+        rows = self.copy.rows() if self.copy is not None else [[]]
+        n, k1, flat = self.num_chosen, self.verify_width, rows[0]
         verified: list[Optional[list[int]]] = [None] * len(self.reqs)
         for j, i in enumerate(self.live):
-            row = host[n + j * k1:n + (j + 1) * k1]
+            row = flat[n + j * k1:n + (j + 1) * k1] if len(rows) == 1 else rows[j][:k1]
             verified[i] = row[:row.index(-1)] if -1 in row else row
-        return host[:n], verified
+        return flat[:n], verified
 
     @property
     def deferrable(self) -> bool:

@@ -351,8 +351,7 @@ class PyExecutor:
         waits for the GPU."""
         if launch is not None:
             live = list(range(len(reqs)))
-            return SpecStep(reqs, segments, 0, out, PendingTokens(launch.verified.reshape(1, -1)), 0, live,
-                            launch.verified.shape[1], launch.ahead)
+            return SpecStep(reqs, segments, 0, out, launch.ahead.tokens, 0, live, launch.verify_width, launch.ahead)
         drafter = self.drafter
         # with a drafter only prompt ends choose here (the verify rows go through the drafter)
         chooses = len(reqs) if drafter is None else num_ctx

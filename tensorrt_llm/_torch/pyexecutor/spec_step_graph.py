@@ -9,6 +9,8 @@ entry (`CUDAGraphRunner`) and the drafter's device step (`DraftGraphRunner.draft
     accepted = running match of the drafts with best         [bucket] 0..q-1 (0 on padding rows)
     verified = best where col <= accepted, else -1           [bucket, q]: the committed tokens
     draft step from (captured, verified, start + shift)      -> [bucket, 2 + K] [committed | anchor, drafts]
+    output [bucket, q + 2 + K] = [verified | committed, anchor, drafts]: one private copy and
+    one host copy per step serve both the host's read of the verify rows and the next step
 
 The host stages only the target's inputs (`CUDAGraphRunner.load_inputs`: one pinned copy; a
 continued step's shift and drafts are gathered on the device); the draft block reads the same
@@ -52,14 +54,14 @@ class SpecLaunch:
     """A launched one-graph DSpark step, before the host read it."""
 
     out: ForwardOutput           # row offsets only: no logits (verified here), no captured rows (drafted here)
-    verified: torch.Tensor       # [B, q] int64 committed tokens per request, -1 padded (a private copy)
-    ahead: DraftsAhead           # every request's next drafts and committed count, on the device
+    verify_width: int            # q: ahead.tokens[:, :q] int64 committed tokens per request, -1 padded
+    ahead: DraftsAhead           # every request's next drafts and committed count, on the device (first=q)
 
 
 @dataclass
 class _SpecEntry(GraphEntry):
     """One (bucket, q, continued): the target entry (inputs) and the draft block's metadata over
-    the target entry's block tables; outputs (verified [bucket, q], rows [bucket, 2 + K])."""
+    the target entry's block tables; output [bucket, q + 2 + K] (verified | draft rows)."""
 
     target: Optional[TargetGraphEntry] = None
     block_md: Optional[AttentionMetadata] = None
@@ -95,7 +97,7 @@ class SpecStepGraph:
         entry = self.graphs.entry((bucket, q, plan.shifted), lambda: self._new_entry(bucket, q, plan.shifted))
         self.target.load_inputs(entry.target, segments, plan)
         self.draft.prepare_block(entry.block_md, bucket, q, int(plan.starts.max()))
-        verified, rows = self.graphs.replay(entry, self._forward)
+        rows = self.graphs.replay(entry, self._forward)
         self.num_launches += 1
         b = len(segments)
         self.draft.num_drafted += b
@@ -103,8 +105,8 @@ class SpecStepGraph:
         offsets = list(range(0, n, q))
         # no logits (the verify ran in the graph) and no captured rows (the graph drafted every request)
         out = ForwardOutput(self._no_logits, offsets, None, offsets)
-        ahead = DraftsAhead({s.request_id: j for j, s in enumerate(segments)}, PendingTokens(rows[:b].clone()))
-        return SpecLaunch(out, verified[:b].clone(), ahead)
+        ahead = DraftsAhead({s.request_id: j for j, s in enumerate(segments)}, PendingTokens(rows[:b].clone()), q)
+        return SpecLaunch(out, q, ahead)
 
     @torch.inference_mode()
     def capture_all(self, continued: bool) -> int:
@@ -123,7 +125,7 @@ class SpecStepGraph:
         t = self.target.new_entry(bucket, q, shifted)
         return _SpecEntry(target=t, block_md=self.draft.block_metadata(bucket, t.md.block_tables))
 
-    def _forward(self, entry: _SpecEntry) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, entry: _SpecEntry) -> torch.Tensor:
         t = entry.target
         logits, captured = self.target.forward(t)
         if captured is None:
@@ -133,5 +135,4 @@ class SpecStepGraph:
         verified = greedy_verify(t.input_ids.view(t.bucket, t.q), logits.view(t.bucket, t.q, -1), live)
         if t.shift is not None:
             start = start + t.shift
-        rows = self.draft.draft_rows(captured, verified, start, entry.block_md)
-        return verified, rows
+        return torch.cat([verified, self.draft.draft_rows(captured, verified, start, entry.block_md)], 1)

@@ -71,10 +71,12 @@ class VerifiedSegment:
 @dataclass(frozen=True)
 class DraftsAhead:
     """What the draft step launched from the verify output (before the host read it) left on the
-    device: request id -> its row of `tokens` [G, 2 + K] int64::
+    device: request id -> its row of `tokens` [G, first + 2 + K] int64::
 
-        [ committed | anchor d1 .. dK ]    committed: tokens its verify step committed (1..K+1);
-                                           anchor: the last of them; d1..dK: its next drafts
+        [ (first columns) | committed | anchor d1 .. dK ]
+            committed: tokens its verify step committed (1..K+1); anchor: the last of them;
+            d1..dK: its next drafts; the first columns hold the producer's other outputs (the
+            one-graph step's verify rows: one host copy for both)
 
     The draft context of its committed tokens is written too. The next verify segment
     [anchor, d1..dK] starts `committed` positions after the verified one: the overlap scheduler
@@ -82,13 +84,14 @@ class DraftsAhead:
 
     rows: dict[int, int]
     tokens: PendingTokens
+    first: int = 0       # column of `committed`
 
     def drafts(self, request_id: int) -> TokenRow:
         """[d1..dK] of a request."""
-        return TokenRow(self.tokens, self.rows[request_id], self.tokens.width - 2, 2)
+        return TokenRow(self.tokens, self.rows[request_id], self.tokens.width - self.first - 2, self.first + 2)
 
     def continued_segment(self, request_id: int, start: int, num_drafts: int) -> ForwardSegment:
         """The request's next verify segment [anchor, d1..dn] (its first n drafts) at host start
         `start`, continued from these rows: its start shift is [committed] (both on the device)."""
-        j, k = self.rows[request_id], 1 + num_drafts
-        return ForwardSegment(request_id, TokenRow(self.tokens, j, k, 1), start, k, TokenRow(self.tokens, j, 1))
+        j, k, f = self.rows[request_id], 1 + num_drafts, self.first
+        return ForwardSegment(request_id, TokenRow(self.tokens, j, k, f + 1), start, k, TokenRow(self.tokens, j, 1, f))

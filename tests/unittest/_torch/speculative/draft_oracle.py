@@ -32,16 +32,16 @@ def patch_draft_oracles(monkeypatch, drafts_for: DraftsFor) -> None:
                 req.draft_tokens = list(d)
 
     def overwrite(ahead, reqs, starts, shifts):
-        t = ahead.tokens.device                # on the CPU: the host copy is this tensor
+        t, f = ahead.tokens.device, ahead.first     # on the CPU: the host copy is this tensor
         for req, start, shift in zip(reqs, starts, shifts):
             row = ahead.rows.get(req.request_id)
             if row is None:
                 continue
             shift = shift.tolist()[0] if shift is not None else 0
-            d = drafts_for(req, start + shift + int(t[row, 0]), t.shape[1] - 2)
+            d = drafts_for(req, start + shift + int(t[row, f]), t.shape[1] - f - 2)
             if d is not None:
                 with torch.inference_mode():
-                    t[row, 2:] = torch.tensor(d, dtype=t.dtype)
+                    t[row, f + 2:] = torch.tensor(d, dtype=t.dtype)
 
     def device(self, items, counts, verified, captured):
         ahead = orig_launch(self, items, counts, verified, captured)
