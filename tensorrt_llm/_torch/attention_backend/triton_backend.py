@@ -43,9 +43,6 @@ class TritonAttention(AttentionBackend):
         `triton_paged_kernel.default_num_splits`)."""
         self.num_splits = num_splits
         self._refused: dict[torch.device, torch.Tensor] = {}   # [1] int32 per device, never re-zeroed
-        # split-KV locks per device, 0 between launches (`triton_paged_kernel`); a grown set keeps the
-        # smaller ones alive, whose addresses captured graphs hold
-        self._locks: dict[torch.device, list[torch.Tensor]] = {}
 
     @classmethod
     def availability(cls, device: torch.device) -> tuple[bool, str]:
@@ -90,14 +87,6 @@ class TritonAttention(AttentionBackend):
             c = self._refused[device] = torch.zeros(1, dtype=torch.int32, device=device)
         return c
 
-    def _split_locks(self, device: torch.device, n: int) -> torch.Tensor:
-        """int32 zeros [>= n] on `device` for a split launch (`triton_paged_kernel`), made at the first
-        launch that needs them (a capture's warm-up runs before the capture) and reused by every one."""
-        held = self._locks.setdefault(device, [])
-        if not held or held[-1].shape[0] < n:
-            held.append(torch.zeros(max(n, 256), dtype=torch.int32, device=device))
-        return held[-1]
-
     def refused_writes(self) -> int:
         """K/V writes the C++ append refused since this backend was made (slots outside their
         request's pages), over all devices; a sync."""
@@ -132,9 +121,8 @@ class TritonAttention(AttentionBackend):
         if q.stride(-1) != 1:       # the kernel reads any token / head strides (a view of the q|k|v buffer)
             q = q.contiguous()
         return paged_attention(q, kv_cache, md.block_tables, lens, scale, md.causal, v_dim, mla,
-                               num_splits=self.num_splits, qo_indptr=qo,
-                               max_q=0 if qo is None else md.max_q_bound or max(md.seq_lens),
-                               split_locks=lambda n: self._split_locks(q.device, n))
+                               num_splits=self.num_splits,
+                               qo_indptr=qo, max_q=0 if qo is None else md.max_q_bound or max(md.seq_lens))
 
     def forward(self, q, k, v, kv_cache, metadata, scale):
         """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: [num_pages, 2, Hkv, P, D] -> [T, Hq, D]."""

@@ -17,14 +17,9 @@ shapes) or ragged (request b's rows are qo_indptr[b]..qo_indptr[b+1]-1: prompt c
 
 Split KV (flash-decoding): when (request, KV head, row block) programs are too few to fill the GPU
 (a small batch), each also takes one of `num_splits` page ranges (a split of the request's pages,
-sized on the device from kv_lens[b]) and writes its unnormalised output with its running max and
-sum to a workspace. The splits of a row block count themselves on one int32 lock (an atomic add,
-acq_rel at GPU scope, after a CTA barrier: every thread's partials are stored before the release);
-the split that counts last sees all partials, merges them into the output and sets the lock back
-to 0. So one launch does the whole attention, and the locks (a persistent zeroed workspace, one
-per (request, KV head, row block)) are 0 again after every launch: a CUDA-graph replay needs no
-fill. Launches that share locks must be ordered (one stream). The split count depends on the
-launch shape only, so a captured graph keeps it.
+sized on the device from kv_lens[b]), writes its unnormalised output with its running max and sum
+to a workspace, and a second kernel merges the splits. The split count depends on the launch
+shape only, so a captured graph keeps it.
 
 GQA cache [pages, 2, Hkv, P, D]: K = plane 0, V = plane 1, value width D.
 MLA cache [pages, 1, 1, P, R + r]: K = the whole latent (scores over the R latent dims plus the
@@ -32,7 +27,7 @@ r rope dims), V = its first R dims.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import triton
@@ -42,7 +37,7 @@ import triton.language as tl
 @triton.jit
 def _paged_attention_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cp, stride_cplane, stride_ch,
                             stride_cs, bt_ptr, stride_bt, lens_ptr, qo_ptr, out_ptr, stride_ot, stride_oh, scale,
-                            qps, ws_acc_ptr, ws_ml_ptr, lock_ptr, n_tok, n_heads, G: tl.constexpr, DV: tl.constexpr,
+                            qps, ws_acc_ptr, ws_ml_ptr, n_tok, n_heads, G: tl.constexpr, DV: tl.constexpr,
                             DR: tl.constexpr, K_PLANE: tl.constexpr, V_PLANE: tl.constexpr, PAGE: tl.constexpr,
                             BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, RAGGED: tl.constexpr,
                             SPLIT: tl.constexpr):
@@ -106,39 +101,34 @@ def _paged_attention_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cp, s
             v = tl.load(slot + V_PLANE * stride_cplane + d[None, :], mask=key_ok[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    out_rows = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     if SPLIT == 1:
         out = acc / l_i[:, None]
-        tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:   # partials: [SPLIT, T, Hq, DV] unnormalised output, [SPLIT, T, Hq, 2] (max, sum)
         at = (split * n_tok + tok) * n_heads + head
         tl.store(ws_acc_ptr + at[:, None] * DV + d[None, :], acc, mask=row_ok[:, None])
         tl.store(ws_ml_ptr + at * 2, m_i, mask=row_ok)
         tl.store(ws_ml_ptr + at * 2 + 1, l_i, mask=row_ok)
-        tl.debug_barrier()          # all of this program's partials stored before the release below
-        n_blocks = tl.num_programs(2) // SPLIT
-        lock = lock_ptr + (b * tl.num_programs(1) + kvh) * n_blocks + tl.program_id(2) // SPLIT
-        if tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:   # the last split: merge
-            tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")               # 0 for the next launch
-            # out = sum_s w_s acc_s / sum_s w_s l_s, w_s = exp(m_s - max m); L2 reads (.cg): the
-            # partials of the other splits were written from other SMs
-            m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            for sp in range(SPLIT):
-                at_s = (sp * n_tok + tok) * n_heads + head
-                m_max = tl.maximum(m_max, tl.load(ws_ml_ptr + at_s * 2, mask=row_ok, other=float("-inf"),
-                                                  cache_modifier=".cg"))
-            m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
-            l_sum = tl.zeros([BLOCK_M], tl.float32)
-            acc = tl.zeros([BLOCK_M, DV], tl.float32)
-            for sp in range(SPLIT):
-                at_s = (sp * n_tok + tok) * n_heads + head
-                m_s = tl.load(ws_ml_ptr + at_s * 2, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-                l_s = tl.load(ws_ml_ptr + at_s * 2 + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
-                w = tl.exp(m_s - m_ref)                          # a split without keys (m_s -inf) weighs 0
-                l_sum += w * l_s
-                acc += w[:, None] * tl.load(ws_acc_ptr + at_s[:, None] * DV + d[None, :], mask=row_ok[:, None],
-                                            other=0.0, cache_modifier=".cg")
-            tl.store(out_rows, (acc / l_sum[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, stride_ot, stride_oh, n_tok, n_heads,
+                         DV: tl.constexpr, SPLIT: tl.constexpr):
+    """One program per (token, head): out = sum_s w_s acc_s / sum_s w_s l_s, w_s = exp(m_s - max m)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, SPLIT)
+    at = (sp * n_tok + t) * n_heads + h
+    m = tl.load(ws_ml_ptr + at * 2)
+    l = tl.load(ws_ml_ptr + at * 2 + 1)
+    m_max = tl.max(m, 0)
+    empty = m == float("-inf")                                 # a split without keys weighs nothing
+    w = tl.where(empty, 0.0, tl.exp(tl.where(empty, m_max, m) - m_max))
+    d = tl.arange(0, DV)
+    acc = tl.load(ws_acc_ptr + at[:, None] * DV + d[None, :])
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(w * l, 0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
 MAX_SPLITS = 16
@@ -169,14 +159,11 @@ def shape_support(v_dim: int, rope_dim: int, page_size: int) -> str:
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor,
                     scale: float, causal: bool, v_dim: int, mla: bool, qo_indptr: Optional[torch.Tensor] = None,
-                    max_q: int = 0, num_splits: Optional[int] = None,
-                    split_locks: Optional[Callable[[int], torch.Tensor]] = None) -> torch.Tensor:
+                    max_q: int = 0, num_splits: Optional[int] = None) -> torch.Tensor:
     """q [T, Hq, Dqk] (packed request-major; any token and head strides, a contiguous last dim: a
     view of a layer's q|k|v buffer is read in place) over the pages of kv_cache (module doc) ->
     [T, Hq, v_dim] in q's dtype. num_splits: KV splits per program (a power of two <= MAX_SPLITS;
-    default `default_num_splits`). split_locks: n -> a persistent int32 [>= n] of zeros on q's
-    device (the launch leaves them 0), asked for only when the launch splits; None: fresh zeros
-    (one fill kernel more).
+    default `default_num_splits`).
 
     Uniform (qo_indptr None): T = B * q_per_seq. Ragged: qo_indptr [B+1] int32 on q's device and
     max_q >= the most rows any request has. block_tables [B, max_pages] int32 and kv_lens [B]
@@ -214,20 +201,18 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     splits = default_num_splits(b * hkv * row_blocks, q.device) if num_splits is None else num_splits
     if splits < 1 or splits > MAX_SPLITS or splits & (splits - 1):
         raise ValueError(f"num_splits must be a power of two in [1, {MAX_SPLITS}], got {splits}")
-    ws_acc = ws_ml = locks = out
     if splits > 1:
         ws_acc = torch.empty(splits, t, hq, v_dim, dtype=torch.float32, device=q.device)
         ws_ml = torch.empty(splits, t, hq, 2, dtype=torch.float32, device=q.device)
-        n = b * hkv * row_blocks      # one lock per (request, KV head, row block)
-        locks = torch.zeros(n, dtype=torch.int32, device=q.device) if split_locks is None else split_locks(n)
-        if (locks.dtype != torch.int32 or locks.device != q.device or locks.dim() != 1 or locks.shape[0] < n
-                or not locks.is_contiguous()):
-            raise ValueError(f"split_locks must be contiguous int32 [>= {n}] on {q.device}, got {locks.dtype} "
-                             f"{tuple(locks.shape)} strides {locks.stride()} on {locks.device}")
+    else:
+        ws_acc = ws_ml = out
     _paged_attention_kernel[(b, hkv, row_blocks * splits)](
         q, q.stride(0), q.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         kv_cache.stride(3), block_tables, block_tables.stride(0), kv_lens, qo_indptr if ragged else kv_lens,
-        out, out.stride(0), out.stride(1), float(scale), qps, ws_acc, ws_ml, locks, t, hq, G=g, DV=v_dim, DR=dr,
+        out, out.stride(0), out.stride(1), float(scale), qps, ws_acc, ws_ml, t, hq, G=g, DV=v_dim, DR=dr,
         K_PLANE=0, V_PLANE=0 if mla else 1, PAGE=page_size, BLOCK_M=block_m, CAUSAL=causal, RAGGED=ragged,
         SPLIT=splits, num_warps=8 if mla else 4, num_stages=1 if mla else 2)
+    if splits > 1:
+        _merge_splits_kernel[(t, hq)](ws_acc, ws_ml, out, out.stride(0), out.stride(1), t, hq, DV=v_dim,
+                                      SPLIT=splits, num_warps=4)
     return out

@@ -1,9 +1,7 @@
 """Plan-free paged attention (Triton, lengths read on the device) against the VANILLA reference
 (`paged_sdpa`, host metadata): GQA causal (verify rows), GQA non-causal (a draft block) and
-absorbed MLA, over shuffled pages and uneven lengths, unsplit and split (merged in the kernel by
-the last split of a row block, counted on a persistent lock that each launch leaves at 0).
-Negative controls: a length off by one page and another request's table row land far outside the
-tolerance; a lock left dirty is not reset (it gates the merge); bad shapes raise.
+absorbed MLA, over shuffled pages and uneven lengths. Negative controls: a length off by one
+page and another request's table row land far outside the tolerance; bad shapes raise.
 
 Runs on the GPU (bf16) and, without one, in Triton's interpreter on the CPU (float32); skipped
 where triton is not installed.
@@ -101,67 +99,6 @@ def test_q_read_through_its_strides(splits):
     assert torch.equal(paged_attention(view, cache, table, kv_lens, 0.3, True, d, False, num_splits=splits), want)
     shifted = paged_attention(buf[:, 1:hq + 1], cache, table, kv_lens, 0.3, True, d, False, num_splits=splits)
     assert rel(shifted, want) > NEG_MIN
-
-
-@pytest.mark.parametrize("mla", [False, True])
-def test_split_locks_are_zero_after_every_launch(mla):
-    """The last split of each (request, KV head, row block) merges in the kernel: one launch, its
-    persistent locks back at 0 and reused by the next launch, asked for only when it splits.
-    Control: a lock left at 1 makes an earlier split merge and the lock stays off 0."""
-    qps, lens = 3, [4, 37, 16, 70]
-    q, cache, table = _case(mla, qps, lens, seed=5)
-    hkv = cache.shape[2]
-    v_dim = 32 if mla else cache.shape[-1]
-    kv_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    locks, asked = torch.zeros(64, dtype=torch.int32, device=DEV), []
-
-    def provide(n: int) -> torch.Tensor:
-        asked.append(n)
-        return locks
-    want = _reference(q, cache, table, lens, qps, True, v_dim, mla)
-    for seed in (5, 6):                            # a second launch on the same locks, fresh queries
-        if seed == 6:
-            q = _case(mla, qps, lens, seed=6)[0]
-            want = _reference(q, cache, table, lens, qps, True, v_dim, mla)
-        got = paged_attention(q, cache, table, kv_lens, 0.3, True, v_dim, mla, num_splits=4, split_locks=provide)
-        assert rel(got, want) < TOL and int(locks.abs().sum()) == 0
-    assert asked == [len(lens) * hkv] * 2          # one row block per (request, KV head) here
-    paged_attention(q, cache, table, kv_lens, 0.3, True, v_dim, mla, num_splits=1, split_locks=provide)
-    assert len(asked) == 2                         # an unsplit launch needs no locks
-    locks[1] = 1                                   # control: a dirty lock
-    paged_attention(q, cache, table, kv_lens, 0.3, True, v_dim, mla, num_splits=4, split_locks=provide)
-    assert locks.tolist()[:3] == [0, 1, 0]
-    with pytest.raises(ValueError, match="split_locks must be contiguous int32"):
-        paged_attention(q, cache, table, kv_lens, 0.3, True, v_dim, mla, num_splits=4,
-                        split_locks=lambda n: torch.zeros(n - 1, dtype=torch.int32, device=DEV))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("splits", [None, 16])
-def test_split_merge_in_a_graph_on_gpu(splits):
-    """Captured with persistent locks (the default split count at 4 requests splits on an H200),
-    replays with fresh queries each match the reference and leave every lock at 0: the merging
-    split sees the others' partials (acq_rel lock after a CTA barrier) across replays."""
-    qps, lens = 9, [10, 300, 77, 1000]
-    q, cache, table = _case(False, qps, lens, seed=8)
-    kv_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    locks = torch.zeros(256, dtype=torch.int32, device=DEV)
-    static_q = q.clone()
-
-    def run() -> torch.Tensor:
-        return paged_attention(static_q, cache, table, kv_lens, 0.3, True, cache.shape[-1], False,
-                               num_splits=splits, split_locks=lambda n: locks)
-    run()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
-    g = torch.Generator().manual_seed(9)
-    for _ in range(20):
-        static_q.copy_(torch.randn(q.shape, generator=g).to(DEV, q.dtype))
-        graph.replay()
-        want = _reference(static_q, cache, table, lens, qps, True, cache.shape[-1], False)
-        assert rel(out, want) < TOL and int(locks.abs().sum()) == 0
 
 
 def test_split_count_is_checked_and_sized_by_the_grid():
