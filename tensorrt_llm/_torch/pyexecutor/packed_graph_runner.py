@@ -113,7 +113,8 @@ class PackedGraphRunner:
         e.io.copy_(e.host, non_blocking=True)
         packed.gather_device_tokens(e.io[:t])          # queued behind the steps that made them
         if e.io.is_cuda:
-            e.copied = torch.cuda.Event()
+            if e.copied is None:          # one event per entry, re-recorded by every copy
+                e.copied = torch.cuda.Event()
             e.copied.record()
         hidden, captured = self.graphs.replay(e, self._forward)
         self.num_steps += 1

@@ -185,7 +185,8 @@ class PiecewiseGraphRunner:
         b.positions.copy_(host[1], non_blocking=True)
         packed.gather_device_tokens(b.input_ids)       # queued behind the steps that made them
         if self.device.type == "cuda":
-            b.copied = torch.cuda.Event()
+            if b.copied is None:          # one event per bucket, re-recorded by every copy
+                b.copied = torch.cuda.Event()
             b.copied.record()
         md = self.kv.attention_metadata([s.request_id for s in segments], [s.start for s in segments], lens, True)
         self.backend.prepare(md)
