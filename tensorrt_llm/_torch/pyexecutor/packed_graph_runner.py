@@ -35,7 +35,7 @@ from ..attention_backend.interface import BAD_PAGE_INDEX, AttentionBackend, Atte
 from ..runtime.cuda_graph import GraphCache, GraphEntry
 from ..runtime.step import ForwardOutput, ForwardSegment
 from .kv_cache.resource_manager import KVCacheManager
-from .piecewise_graph_runner import STARTUP_CAPTURE_TOKENS, pack_segments, token_buckets
+from .piecewise_graph_runner import STARTUP_CAPTURE_TOKENS, pack_segments, segment_lengths, token_buckets
 
 logger = logging.getLogger("tensorrt_llm")
 
@@ -81,10 +81,7 @@ class PackedGraphRunner:
     def run(self, segments: Sequence[ForwardSegment]) -> Optional[ForwardOutput]:
         """The forward of `segments` packed in step order, or None when this runner declines the step
         (more tokens than the largest bucket, or a slot beyond a request's pages)."""
-        lens = [len(s.token_ids) for s in segments]
-        if any(n == 0 for n in lens):
-            bad = next(s for s, n in zip(segments, lens) if n == 0)
-            raise ValueError(f"request {bad.request_id}: empty forward segment")
+        lens = segment_lengths(segments)
         n, b = sum(lens), len(segments)
         t = self.bucket_for(n)
         if t is None or b > self.max_requests:

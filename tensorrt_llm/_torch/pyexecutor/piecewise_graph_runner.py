@@ -89,6 +89,14 @@ class PackedSegments:
         return ForwardOutput(logits, self.logits_offsets, captured, self.token_offsets)
 
 
+def segment_lengths(segments: Sequence[ForwardSegment]) -> list[int]:
+    """Tokens of each segment; ValueError naming the request of an empty one."""
+    lens = [len(s.token_ids) for s in segments]
+    if 0 in lens:
+        raise ValueError(f"request {segments[lens.index(0)].request_id}: empty forward segment")
+    return lens
+
+
 def pack_segments(segments: Sequence[ForwardSegment], lens: Sequence[int], ids: np.ndarray, pos: np.ndarray
                   ) -> PackedSegments:
     """Stage segments packed in step order into host ids / positions [T] int64 (rows past the real
@@ -168,10 +176,7 @@ class PiecewiseGraphRunner:
     def run(self, segments: Sequence[ForwardSegment]) -> Optional[ForwardOutput]:
         """The forward of `segments` packed in step order (as an eager step packs them), or None when
         the step holds more tokens than the largest bucket (it then runs eagerly)."""
-        lens = [len(s.token_ids) for s in segments]
-        if any(n == 0 for n in lens):
-            bad = next(s for s, n in zip(segments, lens) if n == 0)
-            raise ValueError(f"request {bad.request_id}: empty forward segment")
+        lens = segment_lengths(segments)
         n = sum(lens)
         t = self.bucket_for(n)
         if t is None:
