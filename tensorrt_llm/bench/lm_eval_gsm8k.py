@@ -124,7 +124,7 @@ def engine_args(arm: str, a: argparse.Namespace) -> dict[str, Any]:
     if arm != "nospec":
         args["speculative_config"] = {"decoding_type": "DSpark",
                                       "speculative_model": str(Path(getattr(a, f"drafter_{arm}")).resolve())}
-    return args
+    return {**args, **a.engine_yaml}
 
 
 def start_server(model: str, name: str, args: dict, folder: Path, timeout: float = 600.0):
@@ -267,7 +267,7 @@ def run_engine_arm(arm: str, a: argparse.Namespace, task_dir: Path, work: Path) 
 def run_hf_arm(a: argparse.Namespace, task_dir: Path, work: Path) -> tuple[dict, dict[int, str]]:
     folder = work / "hf"
     folder.mkdir(parents=True, exist_ok=True)
-    cmd = lm_eval_command("hf", {"pretrained": a.model, "dtype": "float32"}, a, task_dir, folder / "lm_eval",
+    cmd = lm_eval_command("hf", {"pretrained": a.model, "dtype": a.hf_dtype}, a, task_dir, folder / "lm_eval",
                           ["--device", a.device, "--batch_size", str(a.hf_batch_size)])
     print(f"[hf] {' '.join(cmd)}", file=sys.stderr, flush=True)
     wall = run_lm_eval(cmd, folder / "lm_eval.log")
@@ -322,6 +322,11 @@ def make_parser() -> argparse.ArgumentParser:
                    help="lm-eval requests in flight (also the server's max_batch_size)")
     p.add_argument("--hf_batch_size", "--hf-batch-size", default="16", help="lm-eval hf batch_size")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--engine_yaml", "--engine-yaml", default="{}",
+                   help="a YAML mapping of further TorchLlmArgs for every engine arm, e.g. on a GPU "
+                   "'{attn_backend: TRITON, use_cuda_graph: true, torch_compile_config: {enable_inductor: true}}'")
+    p.add_argument("--hf_dtype", "--hf-dtype", default="float32", help="lm-eval hf dtype (bfloat16 on a GPU "
+                   "compares like with like)")
     p.add_argument("--max_seq_len", "--max-seq-len", type=int, default=2048,
                    help="engine max_seq_len and lm-eval max_length")
     p.add_argument("--kv_tokens", "--kv-tokens", type=int, default=49152, help="KV pool tokens per pool")
@@ -342,6 +347,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error(f"--arms: unknown {bad}; choose from {ARMS}")
     if a.limit < 1:
         p.error(f"--limit must be >= 1, got {a.limit}")
+    try:
+        a.engine_yaml = yaml.safe_load(a.engine_yaml) or {}
+    except yaml.YAMLError as e:
+        p.error(f"--engine-yaml {a.engine_yaml!r} is not valid YAML: {e}")
+    if not isinstance(a.engine_yaml, dict):
+        p.error(f"--engine-yaml {a.engine_yaml!r} is not a YAML mapping")
     import tempfile
 
     work = Path(a.work_dir or tempfile.mkdtemp(prefix="lm_eval_gsm8k_")).resolve()

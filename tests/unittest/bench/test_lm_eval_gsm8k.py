@@ -93,3 +93,18 @@ def test_end_to_end_tiny_model_three_engine_arms_and_hf(tiny_llama_dir, tiny_dra
     assert arms["nospec"]["acceptance_length"] is None and arms["nospec"]["generation_tokens"] > 0
     assert arms["nospec"]["engine_args"]["kv_cache_config"]["enable_block_reuse"] is True
     assert "DSpark-MLA" in capsys.readouterr().out
+
+
+def test_engine_yaml_reaches_every_engine_arm_and_bad_yaml_is_refused(tmp_path, capsys):
+    a = lg.make_parser().parse_args(["--engine-yaml", "{attn_backend: TRITON, use_cuda_graph: true}",
+                                     "--hf-dtype", "bfloat16"])
+    a.engine_yaml = {"attn_backend": "TRITON", "use_cuda_graph": True}
+    for arm in ("nospec", "gqa"):
+        args = lg.engine_args(arm, a)
+        assert args["attn_backend"] == "TRITON" and args["use_cuda_graph"] is True
+        assert ("speculative_config" in args) == (arm == "gqa")
+    assert a.hf_dtype == "bfloat16"
+    for bad, why in (("[1, 2]", "not a YAML mapping"), ("{a: [", "not valid YAML")):
+        with pytest.raises(SystemExit):
+            lg.main(["--engine-yaml", bad, "--work-dir", str(tmp_path)])
+        assert why in capsys.readouterr().err
