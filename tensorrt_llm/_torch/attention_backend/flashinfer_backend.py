@@ -177,7 +177,7 @@ class FlashInferAttention(AttentionBackend):
     name = "FLASHINFER"
     capabilities = BackendCapabilities(paged=True, mla=True, non_causal_block=True,
                                        sliding_window=False, fp8_kv=True, cuda_graphs=True,
-                                       devices=("cuda",))
+                                       devices=("cuda",), dtypes=("float16", "bfloat16"))
 
     def __init__(self, gqa_kernel: str = "auto", mla_kernel: Optional[str] = None):
         """gqa_kernel: flashinfer prefill backend ("auto" = fa3 on sm90, else fa2);

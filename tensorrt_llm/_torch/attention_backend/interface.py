@@ -42,6 +42,8 @@ class BackendCapabilities:
     fp8_kv: bool = False
     cuda_graphs: bool = False
     devices: tuple[str, ...] = ("cpu", "cuda")
+    # activation (query) dtypes its kernels take, by torch name
+    dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16")
     # reads the KV lengths from `AttentionMetadata.kv_lens_device` (no host plan): a step whose
     # lengths are computed on the GPU can be captured and launched before the host knows them
     device_lengths: bool = False

@@ -1,8 +1,9 @@
 """AUTO attention-backend resolution from a fixed preference list.
 
-CPU -> VANILLA. CUDA + MLA drafter -> FLASHINFER's absorbed-MLA paged decode, which
-never degrades (a clear error names what is missing). CUDA + GQA -> FLASHINFER ->
-VANILLA, degrading with a logged reason. TRITON (plan-free, lengths on the device) is an
+CPU -> VANILLA. CUDA + MLA drafter -> FLASHINFER's absorbed-MLA paged decode, or TRITON's where
+flashinfer cannot run the model's dtype (float32); it never degrades to VANILLA (a clear error
+names what is missing). CUDA + GQA -> FLASHINFER -> VANILLA, degrading with a logged reason.
+Every choice is checked against the backend's declared `capabilities` (device, dtype, fp8 KV). TRITON (plan-free, lengths on the device) is an
 explicit choice here; a DSpark drafter under AUTO with CUDA graphs then switches to its device
 draft step's TRITON backend for every draft step (`DSparkWorker.enable_device_drafts`). An explicit choice that cannot run raises; an unknown name raises
 (listing the known ones).
@@ -63,11 +64,11 @@ def probe_environment(device: torch.device) -> Probe:
     return Probe(device.type, sm, ok, err, importlib.util.find_spec("triton") is not None)
 
 
-def _why_unavailable(name: str, probe: Probe, mla: bool) -> str:
-    """Empty string when `name` can run under `probe`; else the reason."""
-    if name == "VANILLA":
-        return ""
-    if probe.device_type != "cuda":
+def _why_unavailable(name: str, probe: Probe, mla: bool, dtype: torch.dtype) -> str:
+    """Empty string when `name` can run under `probe` with `dtype` activations; else the reason."""
+    if name not in _LOADERS:
+        raise ValueError(f"unknown attention backend {name!r}; known: AUTO, {', '.join(KNOWN_BACKENDS)}")
+    if name != "VANILLA" and probe.device_type != "cuda":
         return f"{name} needs a CUDA device (device is {probe.device_type})"
     if name == "FLASHINFER":
         if not probe.flashinfer_importable:
@@ -75,12 +76,16 @@ def _why_unavailable(name: str, probe: Probe, mla: bool) -> str:
                    "install the 'gpu' extra: pip install 'tensorrt_llm[gpu]'"
         if mla and probe.sm < 80:
             return f"flashinfer MLA paged decode needs sm80+, device is sm{probe.sm}"
-        return ""
-    if name == "TRITON":
-        if not probe.triton_importable:
-            return "triton is not importable (it ships with torch's CUDA wheels)"
-        return ""
-    raise ValueError(f"unknown attention backend {name!r}; known: AUTO, {', '.join(KNOWN_BACKENDS)}")
+    if name == "TRITON" and not probe.triton_importable:
+        return "triton is not importable (it ships with torch's CUDA wheels)"
+    try:
+        dtypes = _LOADERS[name]().capabilities.dtypes
+    except (ImportError, AttributeError):
+        return ""      # create_backend names the load failure
+    dname = str(dtype).removeprefix("torch.")
+    if dname not in dtypes:
+        return f"{name} runs {'/'.join(dtypes)} activations, the model runs {dname}"
+    return ""
 
 
 _LOADERS: dict[str, Callable[[], type[AttentionBackend]]] = {
@@ -93,27 +98,32 @@ class Resolution:
     reason: str
 
 
-def resolve_name(requested: str, probe: Probe, mla: bool, fp8_kv: bool = False) -> Resolution:
-    """Pick a backend name. Raises ValueError for unknown or unavailable explicit choices.
-    fp8_kv: the KV pool is fp8, so AUTO skips backends that do not declare `capabilities.fp8_kv`."""
+def resolve_name(requested: str, probe: Probe, mla: bool, dtype: torch.dtype, fp8_kv: bool = False) -> Resolution:
+    """Pick a backend name for `dtype` activations. Raises ValueError for unknown or unavailable
+    explicit choices. fp8_kv: the KV pool is fp8, so AUTO skips backends that do not declare
+    `capabilities.fp8_kv`."""
     if requested != "AUTO":
         if requested not in KNOWN_BACKENDS:
             raise ValueError(f"unknown attention backend {requested!r}; known: AUTO, {', '.join(KNOWN_BACKENDS)}")
-        why = _why_unavailable(requested, probe, mla)
+        why = _why_unavailable(requested, probe, mla, dtype)
         if why:
             raise ValueError(f"attention backend {requested} cannot run: {why}")
         return Resolution(requested, "explicit choice")
     if probe.device_type != "cuda":
         return Resolution("VANILLA", f"AUTO on {probe.device_type}: VANILLA is the only CPU backend")
     if mla:
-        why = _why_unavailable("FLASHINFER", probe, mla=True)
-        if why:
-            raise ValueError(f"AUTO for the MLA drafter on CUDA needs flashinfer's absorbed-MLA paged "
-                             f"decode and never degrades: {why}")
-        return Resolution("FLASHINFER", "AUTO: MLA drafter on CUDA -> flashinfer absorbed-MLA paged decode")
+        why = _why_unavailable("FLASHINFER", probe, True, dtype)
+        if not why:
+            return Resolution("FLASHINFER", "AUTO: MLA drafter on CUDA -> flashinfer absorbed-MLA paged decode")
+        why_triton = _why_unavailable("TRITON", probe, True, dtype)
+        if not why_triton:
+            return Resolution("TRITON", f"AUTO: MLA drafter on CUDA -> TRITON absorbed-MLA paged decode "
+                                        f"(FLASHINFER: {why})")
+        raise ValueError(f"AUTO for the MLA drafter on CUDA needs flashinfer's or TRITON's absorbed-MLA paged "
+                         f"decode and never degrades: FLASHINFER: {why}; TRITON: {why_triton}")
     reasons = []
     for name in ("FLASHINFER", "VANILLA"):
-        why = _why_unavailable(name, probe, mla=False)
+        why = _why_unavailable(name, probe, False, dtype)
         if not why and fp8_kv and not _LOADERS[name]().capabilities.fp8_kv:
             why = "no fp8 KV (capabilities.fp8_kv is False)"
         if not why:
@@ -123,10 +133,10 @@ def resolve_name(requested: str, probe: Probe, mla: bool, fp8_kv: bool = False) 
     raise AssertionError("unreachable: VANILLA always runs")
 
 
-def create_backend(requested: str, device: torch.device, mla: bool = False,
+def create_backend(requested: str, device: torch.device, dtype: torch.dtype, mla: bool = False,
                    probe: Probe | None = None, fp8_kv: bool = False) -> tuple[AttentionBackend, Resolution]:
-    """Resolve and instantiate; logs the choice and its reason."""
-    res = resolve_name(requested, probe or probe_environment(device), mla, fp8_kv)
+    """Resolve and instantiate for `dtype` activations; logs the choice and its reason."""
+    res = resolve_name(requested, probe or probe_environment(device), mla, dtype, fp8_kv)
     try:
         cls = _LOADERS[res.name]()
     except (ImportError, KeyError, AttributeError) as e:

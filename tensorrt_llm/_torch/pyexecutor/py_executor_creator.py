@@ -60,7 +60,7 @@ def create_py_executor(args: TorchLlmArgs, tokenizer: TokenizerWrapper) -> Execu
     cfg = model.config
     kvc = args.kv_cache_config
     kv_dtype = kv_dtype_from_name(kvc.dtype, dtype)
-    backend, res = create_backend(args.attn_backend, device, mla=False,
+    backend, res = create_backend(args.attn_backend, device, dtype, mla=False,
                                   fp8_kv=kv_dtype in FP8_KV_DTYPES)
     n_layers, n_kv, head_dim = model.kv_cache_layout()
     specs = [KVCacheSpec("target", "gqa", n_layers, 2, n_kv, head_dim, kv_dtype)]

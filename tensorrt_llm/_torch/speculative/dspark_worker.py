@@ -426,7 +426,7 @@ def create_dspark_worker(cfg: DSparkDecodingConfig, target: torch.nn.Module, dty
         raise ValueError(f"{cfg.speculative_model}: target_layer_ids {bad} outside the target's "
                          f"{n_layers} layers")
     drafter.bind_target(target.model.embed_tokens, target.lm_head)
-    backend, res = create_backend(cfg.attention_backend, device, mla=drafter.config.is_mla)
+    backend, res = create_backend(cfg.attention_backend, device, dtype, mla=drafter.config.is_mla)
     h = hashlib.sha256(str(Path(cfg.speculative_model).resolve()).encode())
     for f in sorted(Path(cfg.speculative_model).glob("*.safetensors")):
         h.update(str(f.stat().st_size).encode() + str(f.stat().st_mtime_ns).encode())

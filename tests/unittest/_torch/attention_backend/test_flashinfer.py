@@ -135,9 +135,9 @@ def test_imports_without_flashinfer_and_cpu_choice_raises(monkeypatch):
         mod.import_flashinfer()
     from tensorrt_llm._torch.attention_backend.resolver import Probe, create_backend
     with pytest.raises(ValueError, match=r"FLASHINFER.*CUDA"):
-        create_backend("FLASHINFER", torch.device("cpu"))
+        create_backend("FLASHINFER", torch.device("cpu"), torch.bfloat16)
     with pytest.raises(ValueError, match="not importable"):
-        create_backend("FLASHINFER", torch.device("cpu"),
+        create_backend("FLASHINFER", torch.device("cpu"), torch.bfloat16,
                        probe=Probe("cuda", 90, flashinfer_importable=False, flashinfer_error="gone"))
 
 

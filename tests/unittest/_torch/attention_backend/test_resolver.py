@@ -21,16 +21,16 @@ H100_NO_FI = Probe(device_type="cuda", sm=90, flashinfer_importable=False,
 
 def test_cpu_auto_is_vanilla():
     for mla in (False, True):
-        assert resolve_name("AUTO", CPU, mla=mla).name == "VANILLA"
-    backend, res = create_backend("AUTO", torch.device("cpu"))
+        assert resolve_name("AUTO", CPU, mla=mla, dtype=torch.bfloat16).name == "VANILLA"
+    backend, res = create_backend("AUTO", torch.device("cpu"), torch.bfloat16)
     assert isinstance(backend, VanillaAttention) and res.name == "VANILLA"
 
 
 def test_explicit_flashinfer_on_cpu_raises_with_reason():
     with pytest.raises(ValueError, match=r"FLASHINFER.*CUDA"):
-        resolve_name("FLASHINFER", CPU, mla=False)
+        resolve_name("FLASHINFER", CPU, mla=False, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"FLASHINFER.*CUDA"):
-        create_backend("FLASHINFER", torch.device("cpu"))
+        create_backend("FLASHINFER", torch.device("cpu"), torch.bfloat16)
 
 
 def test_explicit_flashinfer_on_cpu_raises_through_llm(tiny_llama_dir):
@@ -40,9 +40,9 @@ def test_explicit_flashinfer_on_cpu_raises_through_llm(tiny_llama_dir):
 
 def test_unknown_name_raises():
     with pytest.raises(ValueError, match="unknown attention backend 'FAST'"):
-        resolve_name("FAST", H100, mla=False)
+        resolve_name("FAST", H100, mla=False, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="unknown attention backend 'vanilla'"):
-        resolve_name("vanilla", CPU, mla=False)     # names are exact, no silent case folding
+        resolve_name("vanilla", CPU, mla=False, dtype=torch.bfloat16)     # names are exact, no silent case folding
 
 
 def test_names_without_kernels_are_unknown():
@@ -52,20 +52,20 @@ def test_names_without_kernels_are_unknown():
         for probe in (H100, B200):
             with pytest.raises(ValueError, match=rf"unknown attention backend '{name}'; "
                                                  r"known: AUTO, VANILLA, FLASHINFER, TRITON$"):
-                resolve_name(name, probe, mla=False)
-    assert resolve_name("VANILLA", H100, mla=False).name == "VANILLA"
-    assert resolve_name("FLASHINFER", H100, mla=True).name == "FLASHINFER"
+                resolve_name(name, probe, mla=False, dtype=torch.bfloat16)
+    assert resolve_name("VANILLA", H100, mla=False, dtype=torch.bfloat16).name == "VANILLA"
+    assert resolve_name("FLASHINFER", H100, mla=True, dtype=torch.bfloat16).name == "FLASHINFER"
 
 
 def test_triton_is_explicit_only():
     with_triton = Probe(device_type="cuda", sm=90, flashinfer_importable=True, triton_importable=True)
-    res = resolve_name("TRITON", with_triton, mla=True)
+    res = resolve_name("TRITON", with_triton, mla=True, dtype=torch.bfloat16)
     assert res.name == "TRITON" and res.reason == "explicit choice"
-    assert resolve_name("AUTO", with_triton, mla=False).name == "FLASHINFER"   # AUTO never picks it
+    assert resolve_name("AUTO", with_triton, mla=False, dtype=torch.bfloat16).name == "FLASHINFER"   # AUTO never picks it
     with pytest.raises(ValueError, match="TRITON cannot run: triton is not importable"):
-        resolve_name("TRITON", H100, mla=False)
+        resolve_name("TRITON", H100, mla=False, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="TRITON cannot run: TRITON needs a CUDA device"):
-        resolve_name("TRITON", CPU, mla=False)
+        resolve_name("TRITON", CPU, mla=False, dtype=torch.bfloat16)
 
 
 def test_every_known_backend_has_a_loader():
@@ -73,12 +73,12 @@ def test_every_known_backend_has_a_loader():
 
 
 def test_sm90_with_flashinfer():
-    assert resolve_name("AUTO", H100, mla=False).name == "FLASHINFER"
-    assert resolve_name("AUTO", H100, mla=True).name == "FLASHINFER"
+    assert resolve_name("AUTO", H100, mla=False, dtype=torch.bfloat16).name == "FLASHINFER"
+    assert resolve_name("AUTO", H100, mla=True, dtype=torch.bfloat16).name == "FLASHINFER"
 
 
 def test_sm100_gqa_auto_is_flashinfer_with_logged_reason(monkeypatch, caplog):
-    res = resolve_name("AUTO", B200, mla=False)
+    res = resolve_name("AUTO", B200, mla=False, dtype=torch.bfloat16)
     assert res.name == "FLASHINFER" and res.reason == "AUTO on CUDA sm100: FLASHINFER"
 
     class FakeFlashInfer(AttentionBackend):
@@ -89,7 +89,7 @@ def test_sm100_gqa_auto_is_flashinfer_with_logged_reason(monkeypatch, caplog):
 
     monkeypatch.setitem(resolver._LOADERS, "FLASHINFER", lambda: FakeFlashInfer)
     with caplog.at_level(logging.INFO, logger="tensorrt_llm"):
-        backend, res = create_backend("AUTO", torch.device("cpu"), probe=B200)
+        backend, res = create_backend("AUTO", torch.device("cpu"), torch.bfloat16, probe=B200)
     assert isinstance(backend, FakeFlashInfer)
     logged = " ".join(r.getMessage() for r in caplog.records)
     assert "attention backend FLASHINFER (AUTO on CUDA sm100: FLASHINFER)" in logged
@@ -97,18 +97,18 @@ def test_sm100_gqa_auto_is_flashinfer_with_logged_reason(monkeypatch, caplog):
 
 def test_no_flashinfer_mla_raises_naming_flashinfer():
     with pytest.raises(ValueError, match=r"(?s)MLA.*flashinfer.*No module named 'flashinfer'"):
-        resolve_name("AUTO", H100_NO_FI, mla=True)
+        resolve_name("AUTO", H100_NO_FI, mla=True, dtype=torch.bfloat16)
 
 
 def test_no_flashinfer_gqa_degrades_to_vanilla():
-    res = resolve_name("AUTO", H100_NO_FI, mla=False)
+    res = resolve_name("AUTO", H100_NO_FI, mla=False, dtype=torch.bfloat16)
     assert res.name == "VANILLA" and "flashinfer" in res.reason
 
 
 def test_flashinfer_mla_needs_sm80():
     with pytest.raises(ValueError, match="sm80"):
-        resolve_name("AUTO", Probe("cuda", 75, True), mla=True)
-    assert resolve_name("AUTO", Probe("cuda", 75, True), mla=False).name == "FLASHINFER"
+        resolve_name("AUTO", Probe("cuda", 75, True), mla=True, dtype=torch.bfloat16)
+    assert resolve_name("AUTO", Probe("cuda", 75, True), mla=False, dtype=torch.bfloat16).name == "FLASHINFER"
 
 
 def test_flashinfer_load_failure_is_a_clear_error(monkeypatch):
@@ -116,7 +116,7 @@ def test_flashinfer_load_failure_is_a_clear_error(monkeypatch):
         raise ImportError("flashinfer_backend missing")
     monkeypatch.setitem(resolver._LOADERS, "FLASHINFER", broken)
     with pytest.raises(ValueError, match="FLASHINFER cannot be loaded"):
-        create_backend("AUTO", torch.device("cpu"), probe=H100)
+        create_backend("AUTO", torch.device("cpu"), torch.bfloat16, probe=H100)
 
 
 def test_capacity_report_names_backend_and_reason(tiny_llama_dir, make_llm):
@@ -129,9 +129,30 @@ def test_auto_with_an_fp8_kv_pool_skips_backends_without_fp8_kv(monkeypatch):
     FLASHINFER without it would be skipped for VANILLA, with the reason (a bf16 pool still gets it)."""
     from dataclasses import replace
     from tensorrt_llm._torch.attention_backend.flashinfer_backend import FlashInferAttention
-    assert resolve_name("AUTO", H100, mla=False, fp8_kv=True).name == "FLASHINFER"
-    assert resolve_name("AUTO", CPU, mla=False, fp8_kv=True).name == "VANILLA"
+    assert resolve_name("AUTO", H100, mla=False, dtype=torch.bfloat16, fp8_kv=True).name == "FLASHINFER"
+    assert resolve_name("AUTO", CPU, mla=False, dtype=torch.bfloat16, fp8_kv=True).name == "VANILLA"
     monkeypatch.setattr(FlashInferAttention, "capabilities", replace(FlashInferAttention.capabilities, fp8_kv=False))
-    res = resolve_name("AUTO", H100, mla=False, fp8_kv=True)
+    res = resolve_name("AUTO", H100, mla=False, dtype=torch.bfloat16, fp8_kv=True)
     assert res.name == "VANILLA" and "FLASHINFER: no fp8 KV" in res.reason
-    assert resolve_name("AUTO", H100, mla=False, fp8_kv=False).name == "FLASHINFER"
+    assert resolve_name("AUTO", H100, mla=False, dtype=torch.bfloat16, fp8_kv=False).name == "FLASHINFER"
+
+
+def test_dtype_is_checked_against_declared_capabilities():
+    with_triton = Probe(device_type="cuda", sm=90, flashinfer_importable=True, triton_importable=True)
+    f32 = torch.float32
+    # explicit: a backend whose kernels do not take the model's dtype is refused, naming both
+    with pytest.raises(ValueError, match="FLASHINFER cannot run: FLASHINFER runs float16/bfloat16 "
+                                         "activations, the model runs float32"):
+        resolve_name("FLASHINFER", H100, mla=False, dtype=f32)
+    assert resolve_name("TRITON", with_triton, mla=True, dtype=f32).name == "TRITON"
+    # AUTO, GQA: flashinfer is skipped with the reason, VANILLA runs float32
+    res = resolve_name("AUTO", H100, mla=False, dtype=f32)
+    assert res.name == "VANILLA" and "float32" in res.reason
+    # AUTO, MLA: TRITON's absorbed-MLA decode where flashinfer cannot run float32; never VANILLA
+    res = resolve_name("AUTO", with_triton, mla=True, dtype=f32)
+    assert res.name == "TRITON" and "float32" in res.reason
+    with pytest.raises(ValueError, match=r"(?s)never degrades: FLASHINFER: .*float32.*TRITON: triton is not"):
+        resolve_name("AUTO", H100, mla=True, dtype=f32)
+    # control: the same probes with bfloat16 keep flashinfer
+    for mla in (False, True):
+        assert resolve_name("AUTO", with_triton, mla=mla, dtype=torch.bfloat16).name == "FLASHINFER"

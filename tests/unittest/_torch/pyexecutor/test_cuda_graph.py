@@ -249,7 +249,7 @@ def make_engine(path, backend_name: str, use_graph: bool, max_batch: int = 8, to
     layers, kv_heads, head_dim = model.kv_cache_layout()
     kv = KVCacheManager([KVCacheSpec("target", "gqa", layers, 2, kv_heads, head_dim, torch.bfloat16)],
                         num_pages=96, tokens_per_block=16, max_seq_len=256, device=dev)
-    backend, _ = create_backend(backend_name, dev)
+    backend, _ = create_backend(backend_name, dev, torch.bfloat16)
     return ModelEngine(model, kv, backend, dev, use_cuda_graph=use_graph, max_batch_size=max_batch,
                        tokens_per_gen=tokens_per_gen)
 

@@ -98,7 +98,7 @@ def _cpu_engine(model, layers):
     n_layers, n_kv, head_dim = model.kv_cache_layout()
     kv = KVCacheManager([KVCacheSpec("target", "gqa", n_layers, 2, n_kv, head_dim, torch.float32)],
                         num_pages=96, tokens_per_block=16, max_seq_len=256, device=dev)
-    backend, _ = create_backend("VANILLA", dev)
+    backend, _ = create_backend("VANILLA", dev, torch.bfloat16)
     return ModelEngine(model, kv, backend, dev, capture_layer_ids=layers)
 
 
@@ -199,7 +199,7 @@ def _gpu_engine(path, use_graph: bool, q: int):
     layers, kv_heads, head_dim = model.kv_cache_layout()
     kv = KVCacheManager([KVCacheSpec("target", "gqa", layers, 2, kv_heads, head_dim, torch.bfloat16)],
                         num_pages=96, tokens_per_block=16, max_seq_len=256, device=dev)
-    backend, _ = create_backend("FLASHINFER", dev)
+    backend, _ = create_backend("FLASHINFER", dev, torch.bfloat16)
     return ModelEngine(model, kv, backend, dev, capture_layer_ids=[1, 0], use_cuda_graph=use_graph,
                        max_batch_size=8, tokens_per_gen=q, max_num_tokens=256)
 
