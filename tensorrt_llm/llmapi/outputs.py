@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from .detokenizer import IncrementalDetokenizer
+from .loop_handoff import LoopHandoff
 
 
 @dataclass
@@ -50,9 +51,10 @@ class GenerationResult:
         # streamed snapshots are detokenized incrementally; the final text is one full decode
         self._detok: Optional[IncrementalDetokenizer] = IncrementalDetokenizer(decode) if streaming else None
         # an asyncio consumer (`async for`, `aresult`, the server): the executor thread hands it
-        # snapshots through loop.call_soon_threadsafe, so no thread waits per request
+        # snapshots through its loop's `LoopHandoff` (one wake-up per step, not per request), so
+        # no thread waits per request
         self._lock = threading.Lock()
-        self._aloop: Optional[asyncio.AbstractEventLoop] = None
+        self._handoff: Optional[LoopHandoff] = None
         self._aqueue: Optional[asyncio.Queue] = None
 
     @property
@@ -98,10 +100,7 @@ class GenerationResult:
                 self._done.set()
 
     def _to_loop(self, item: RequestOutput) -> None:
-        try:
-            self._aloop.call_soon_threadsafe(self._aqueue.put_nowait, item)
-        except RuntimeError:    # the consumer's loop is closed: nobody is left to read it
-            pass
+        self._handoff.post(self._aqueue, item)
 
     def _bind_loop(self) -> asyncio.Queue:
         """The asyncio.Queue of the running loop that receives this handle's snapshots (streaming)
@@ -115,7 +114,7 @@ class GenerationResult:
                     q.put_nowait(self._stream.get_nowait())
             elif self._done.is_set():
                 q.put_nowait(self._out)
-            self._aloop, self._aqueue = asyncio.get_running_loop(), q
+            self._handoff, self._aqueue = LoopHandoff.for_loop(asyncio.get_running_loop()), q
         return q
 
     def _text(self, ids: list[int], stopped: bool) -> str:

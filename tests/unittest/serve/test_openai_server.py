@@ -240,14 +240,15 @@ def test_disconnecting_clients_abort_their_requests_and_free_every_page(tiny_ser
     before = wait_idle(tiny_server)
 
     async def leave_early(i: int, stream: bool) -> None:
-        # a non-streaming client hangs up after 0.1 s into a 250-token request (well over 0.1 s of decoding
-        # even on a fast CPU); a streaming one after three chunks
+        # a non-streaming client hangs up 0.5 s after sending a 250-token request (its connect may take
+        # longer on a loaded machine; 250 tokens among 50 requests take well over 0.5 s even on a fast
+        # CPU, so the request is running when it goes); a streaming one after three chunks
         body = {"model": tiny_server.model, "prompt": PROMPTS[i % 4], "max_tokens": max_tokens if stream else 250,
                 "temperature": 0, "ignore_eos": True, "stream": stream}
         async with httpx.AsyncClient(base_url=tiny_server.base_url, timeout=60) as c:
             if not stream:              # hang up while the request is running
                 with pytest.raises(httpx.ReadTimeout):
-                    await c.post("/v1/completions", json=body, timeout=0.1)
+                    await c.post("/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
                 return
             async with c.stream("POST", "/v1/completions", json=body) as r:
                 assert r.status_code == 200
