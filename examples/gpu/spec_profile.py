@@ -11,6 +11,11 @@ Per arm (no-spec, then each `--drafter NAME=DIR`), FLASHINFER + CUDA graphs, B M
 3. cProfile of the executor thread over the same generate, top functions by own time (in the JSON:
    one file per run, so a device call returns it whole).
 
+`--waves W` submits W x B requests at `max_batch_size` B: as requests finish, prompts arrive beside
+running ones (the served shape). The phase timers are then also split by step kind
+(`phase_ms_by_step_kind`: steps with a prompt chunk against the others, ms per step of that kind),
+which locates the cost of an arrival.
+
     python examples/gpu/spec_profile.py --model DIR --prompts eval_prompts.json \
         --drafter gqa=DIR --drafter mla=DIR --batch 64 --max-tokens 256 --out-dir OUT
 """
@@ -88,9 +93,39 @@ def _cprofile_top(prof: cProfile.Profile, steps: int, n: int = 30) -> list[dict]
             for (f, line, fn), (_cc, nc, tt, ct, _callers) in top]
 
 
+def _split_by_step_kind(ex, timers: dict, by_kind: dict) -> None:
+    """Wrap `ex.step` (after `_wrap_timers`): each step's phase deltas go to by_kind["prompt"] when
+    the step ran a prompt chunk, else to by_kind["other"] (with "n": the steps of that kind)."""
+    step = ex.step
+
+    def run():
+        before, p0 = dict(timers), ex.prompt_steps
+        try:
+            return step()
+        finally:
+            kind = by_kind["prompt" if ex.prompt_steps != p0 else "other"]
+            kind["n"] += 1
+            for k, v in timers.items():
+                if not k.startswith("n_"):
+                    kind[k] += v - before.get(k, 0.0)
+    ex.step = run
+
+
+def _phases(timers: dict, n: int) -> dict:
+    """ms per step of each executor phase over n steps (step_other: the rest of `step`)."""
+    n = max(n, 1)
+    step_ms = 1000 * timers["step"] / n
+    phases = {k: 1000 * timers[k] / n for k in ("build_segments", "forward", "forward_spec", "launch_choice",
+                                                "complete", "launch_overlapped")}
+    phases["step_other"] = step_ms - sum(phases.values())
+    phases["draft_ahead_in_launch_choice"] = 1000 * timers["draft_ahead"] / n
+    phases["draft_in_complete"] = 1000 * timers["draft"] / n
+    return phases
+
+
 def profile_arm(model: str, drafter: str | None, batch: int, max_tokens: int, prompts: list[str],
                 name: str, attn_backend: str = "FLASHINFER", graphs: bool = True,
-                kv_max_tokens: int = 262144, compile_regions: bool = False) -> dict:
+                kv_max_tokens: int = 262144, compile_regions: bool = False, waves: int = 1) -> dict:
     from tensorrt_llm import LLM, SamplingParams
     kw = dict(attn_backend=attn_backend, use_cuda_graph=graphs, max_batch_size=batch,
               kv_cache_config={"max_tokens": kv_max_tokens})
@@ -106,10 +141,15 @@ def profile_arm(model: str, drafter: str | None, batch: int, max_tokens: int, pr
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     llm.generate(chat, SamplingParams(max_tokens=32, ignore_eos=True))   # warm-up, graph capture
     llm.generate(chat, params)
+    # waves > 1: the other prompts of the set, cycled, arrive as requests finish
+    chat = [llm.apply_chat_template([{"role": "user", "content": prompts[i % len(prompts)]}])
+                            for i in range(batch * waves)] if waves > 1 else chat
 
     # 1. phase timers
     timers: dict = defaultdict(float)
     _wrap_timers(ex, timers)
+    by_kind = {"prompt": defaultdict(float), "other": defaultdict(float)}
+    _split_by_step_kind(ex, timers, by_kind)
     t0, it0 = time.perf_counter(), ex.iterations
     hist0 = list(ex.drafter.stats()["accept_histogram"]) if ex.drafter is not None else []
     outs = llm.generate(chat, params)
@@ -117,15 +157,11 @@ def profile_arm(model: str, drafter: str | None, batch: int, max_tokens: int, pr
     steps = ex.iterations - it0
     toks = sum(len(o.outputs[0].token_ids) for o in outs)
     step_ms = 1000 * timers["step"] / max(timers["n_step"], 1)
-    phases = {k: 1000 * timers[k] / max(timers["n_step"], 1)
-              for k in ("build_segments", "forward", "forward_spec", "launch_choice", "complete",
-                        "launch_overlapped")}
-    phases["step_other"] = step_ms - sum(phases.values())
-    phases["draft_ahead_in_launch_choice"] = 1000 * timers["draft_ahead"] / max(timers["n_step"], 1)
-    phases["draft_in_complete"] = 1000 * timers["draft"] / max(timers["n_step"], 1)
-    res = {"arm": name, "batch": batch, "max_tokens": max_tokens, "wall_s": wall, "steps": steps,
+    phases = _phases(timers, timers["n_step"])
+    res = {"arm": name, "batch": batch, "waves": waves, "max_tokens": max_tokens, "wall_s": wall, "steps": steps,
            "tok_per_s": toks / wall, "ms_per_step": 1000 * wall / max(steps, 1),
            "step_ms_inside_step": step_ms, "phase_ms_per_step": phases,
+           "phase_ms_by_step_kind": {k: {"steps": int(v["n"]), **_phases(v, v["n"])} for k, v in by_kind.items()},
            "tokens_per_step": toks / max(steps, 1), "overlap_scheduler": llm.capacity_report["overlap_scheduler"],
            "continued_steps": ex.engine.num_continued_steps,
            "one_graph_steps": ex.engine.spec_step.num_launches if ex.engine.spec_step is not None else 0,
@@ -180,6 +216,8 @@ def main() -> None:
     ap.add_argument("--kv-max-tokens", type=int, default=262144)
     ap.add_argument("--no-graphs", action="store_true", help="use_cuda_graph=False (CPU smoke run)")
     ap.add_argument("--compile", action="store_true", help="torch_compile_config: inductor layer regions")
+    ap.add_argument("--waves", type=int, default=1, help="W x B requests at max_batch_size B: arrivals beside "
+                    "running requests (1: a closed batch)")
     a = ap.parse_args()
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -191,7 +229,7 @@ def main() -> None:
     for b in a.batch:
         for name, path in arms:
             r = profile_arm(a.model, path, b, a.max_tokens, prompts, name, a.attn_backend, not a.no_graphs,
-                            a.kv_max_tokens, a.compile)
+                            a.kv_max_tokens, a.compile, a.waves)
             rows.append(r)
             ph = r["phase_ms_per_step"]
             print(f"{name:7s} B={b:3d} {r['tok_per_s']:8.0f} tok/s  {r['ms_per_step']:6.2f} ms/step "
@@ -199,6 +237,10 @@ def main() -> None:
                   + (f"AL {r['acceptance_length']:.2f} verifies/step {r['verifies_per_step']:.1f}  "
                      if "acceptance_length" in r else "")
                   + "  ".join(f"{k} {v:5.2f}" for k, v in ph.items()), flush=True)
+            if a.waves > 1:
+                for kind, v in r["phase_ms_by_step_kind"].items():
+                    print(f"    {kind} steps ({v['steps']}): " + "  ".join(
+                        f"{k} {x:5.2f}" for k, x in v.items() if k != "steps"), flush=True)
             (out / "spec_profile.json").write_text(json.dumps(rows, indent=1))
 
 
