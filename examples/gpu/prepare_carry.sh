@@ -87,17 +87,18 @@ python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:
 n=$(ls $B/dl/*.whl | wc -l)
 [[ $n -eq 21 ]] || { echo "expected 21 wheels in $B/dl, found $n: $(ls $B/dl)"; exit 1; }
 # lm-eval (GSM8K through trtllm-serve, tensorrt_llm/bench/lm_eval_gsm8k.py) and what the image lacks of its
-# requirements (the image has pandas, pyarrow, sacrebleu, scikit-learn, xxhash, fsspec, huggingface-hub);
+# requirements (the image has pandas, pyarrow, sacrebleu, scikit-learn, xxhash, fsspec, huggingface-hub;
+# tenacity is lm-eval's [api] extra for local-completions, pytz what pytablewriter's typepy imports);
 # three of them publish only sdists: built into wheels here (pure Python)
 mkdir -p $B/eval
 EVAL_WHEELS="lm_eval==0.4.13 datasets==5.2.0 dill==0.4.1 evaluate==0.4.6 multiprocess==0.70.19 more-itertools==11.2.1
   nltk==3.10.4 pytablewriter==1.2.1 DataProperty==1.1.1 mbstrdecoder==1.1.5 pathvalidate==3.3.1 tabledata==1.3.5
-  tcolorpy==0.1.7 typepy==1.3.5 chardet==6.0.0.post1"
+  tcolorpy==0.1.7 typepy==1.3.5 chardet==6.0.0.post1 tenacity==9.2.1 pytz==2026.6"
 python3 -m pip download -q --disable-pip-version-check $PIP_PLAT -d $B/eval $EVAL_WHEELS 2>&1 | grep -v "^WARNING: Location" || true
 python3 -m pip wheel -q --disable-pip-version-check --no-deps -w $B/eval rouge_score==0.1.2 sqlitedict==2.1.0 word2number==1.1 \
   2>&1 | grep -v "^WARNING: Location" || true
 n=$(ls $B/eval/*.whl | wc -l)
-[[ $n -eq 18 ]] || { echo "expected 18 wheels in $B/eval, found $n: $(ls $B/eval)"; exit 1; }
+[[ $n -eq 20 ]] || { echo "expected 20 wheels in $B/eval, found $n: $(ls $B/eval)"; exit 1; }
 if [[ ! -f $B/eval_wheels.tar.xz || -n "$(find $B/eval -name '*.whl' -newer $B/eval_wheels.tar.xz)" ]]; then
   tar -C $B/eval -cf - . | xz -T0 -6 > $B/eval_wheels.tar.xz.partial && mv $B/eval_wheels.tar.xz.partial $B/eval_wheels.tar.xz
 fi

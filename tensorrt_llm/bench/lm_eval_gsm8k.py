@@ -306,6 +306,34 @@ def format_table(rows: Sequence[dict], same: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def write_report(a: argparse.Namespace, argv: Optional[Sequence[str]], data: Path, n_docs: int, work: Path,
+                 arms: Sequence[str], rows: list[dict], gens: dict[str, dict[int, str]]) -> str:
+    """The report of the arms run so far (JSON at --json): accuracies, AL, and each arm's generations
+    against the first engine arm's (the differing doc ids). Returns its markdown table."""
+    import lm_eval
+    import torch
+
+    engine = [r for r in gens if r != "hf"]
+    same = compare(gens, engine[0]) if engine else {}
+    table = format_table(rows, same)
+    report = {
+        "task": TASK, "limit": a.limit, "data": str(data), "data_docs": n_docs, "model": a.model,
+        "num_fewshot": a.num_fewshot if a.num_fewshot is not None else 5,
+        "max_gen_toks": a.max_gen_toks if a.max_gen_toks is not None else 256,
+        "num_concurrent": a.num_concurrent, "hf_batch_size": a.hf_batch_size, "device": a.device,
+        "lm_eval": lm_eval.__version__, "torch": torch.__version__, "cpus": os.cpu_count(),
+        "host": platform.platform(), "work_dir": str(work),
+        "command": ["python", "-m", "tensorrt_llm.bench.lm_eval_gsm8k", *(argv if argv is not None else sys.argv[1:])],
+        "arms_requested": list(arms), "arms": rows, "same_generations": same,
+        "engine_arms_identical": all(v["same"] == v["of"] for k, v in same.items() if k != "hf") if same else None,
+        "table": table,
+    }
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(report, indent=1) + "\n")
+    return table
+
+
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tensorrt_llm.bench.lm_eval_gsm8k", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -376,27 +404,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         gens[arm] = g
         print(f"[{arm}] strict {row['strict-match']:.4f} flexible {row['flexible-extract']:.4f} "
               f"AL {row['acceptance_length']} wall {row['wall_s']:.0f} s", file=sys.stderr, flush=True)
-    engine = [r for r in arms if r != "hf"]
-    same = compare(gens, engine[0]) if engine else {}
-    import lm_eval
-    import torch
-
-    report = {
-        "task": TASK, "limit": a.limit, "data": str(data), "data_docs": n_docs, "model": a.model,
-        "num_fewshot": a.num_fewshot if a.num_fewshot is not None else 5,
-        "max_gen_toks": a.max_gen_toks if a.max_gen_toks is not None else 256,
-        "num_concurrent": a.num_concurrent, "hf_batch_size": a.hf_batch_size, "device": a.device,
-        "lm_eval": lm_eval.__version__, "torch": torch.__version__, "cpus": os.cpu_count(),
-        "host": platform.platform(), "work_dir": str(work),
-        "command": ["python", "-m", "tensorrt_llm.bench.lm_eval_gsm8k", *(argv if argv is not None else sys.argv[1:])],
-        "arms": rows, "same_generations": same,
-        "engine_arms_identical": all(v["same"] == v["of"] for k, v in same.items() if k != "hf") if same else None,
-    }
-    table = format_table(rows, same)
-    report["table"] = table
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(report, indent=1) + "\n")
+        # the report so far after every arm: a run cut short keeps its comparisons
+        table = write_report(a, argv, data, n_docs, work, arms, rows, gens)
     print(table)
     return 0
 
