@@ -8,7 +8,7 @@ The drafter's device step (`DraftGraphRunner.draft_rows`) is, per region::
     gqa_attention_inputs: input_layernorm -> q|k|v GEMM -> q_norm, k_norm -> RoPE  (forward_block, per layer)
     mla_attention_inputs: input_layernorm -> q (q_a, norm, q_b) | latent -> RoPE -> q_nope W_UK
     output          : o_proj + residual -> norm -> gate|up SwiGLU -> down + residual (the target's region)
-    greedy_drafts   : lm_head GEMM -> per draft: + Markov bias of the previous pick -> argmax (propose)
+    greedy_drafts   : lm_head GEMM -> per draft: + Markov bias of the previous pick -> argmax (propose_greedy)
     draft_addressing: the step's integer work: committed count and anchor per row, context and block
                       positions and slots from the block tables, the block's ids (draft_rows' head)
 
@@ -106,24 +106,24 @@ def mla_attention_inputs(h: torch.Tensor, norm_w: torch.Tensor, eps: float, q_a_
 
 def greedy_drafts(hidden: torch.Tensor, anchor_ids: torch.Tensor, lm_w: torch.Tensor, lm_b: Optional[torch.Tensor],
                   markov_w1: Optional[torch.Tensor], markov_w2: Optional[torch.Tensor], block_size: int, first: int,
-                  num_drafts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The greedy `propose`: hidden [R * S, H] (S = block_size), anchor_ids [R] -> draft ids [R, n]
-    int64 and biased logits [R, n, V] float32 (n = num_drafts, slots first..first+n-1).
+                  num_drafts: int) -> torch.Tensor:
+    """The greedy `propose`, ids only: hidden [R * S, H] (S = block_size), anchor_ids [R] -> draft ids
+    [R, n] int64 (n = num_drafts, slots first..first+n-1). The biased logits are not returned, so
+    compiled they are never written out ([R, n, V] float32 per step; only sampling needs them).
 
     Draft j is the argmax of lm_head(slot j) + Markov bias of draft j-1 (the anchor for j = 0);
     markov_w1 [V, r] / markov_w2 [V, r] (both None without a Markov head)."""
     r = anchor_ids.shape[0]
     h = hidden.reshape(r, block_size, -1)[:, first:first + num_drafts].reshape(r * num_drafts, -1)
     logits = F.linear(h.to(lm_w.dtype), lm_w, lm_b).float().view(r, num_drafts, -1)
-    prev, ids, out = anchor_ids, [], []
+    prev, ids = anchor_ids, []
     for j in range(num_drafts):
         lj = logits[:, j]
         if markov_w1 is not None:
             lj = lj + F.linear(F.embedding(prev, markov_w1), markov_w2).float()
         prev = lj.argmax(-1)
         ids.append(prev)
-        out.append(lj)
-    return torch.stack(ids, dim=1), torch.stack(out, dim=1)
+    return torch.stack(ids, dim=1)
 
 
 def draft_addressing(start: torch.Tensor, verified: torch.Tensor, block_tables: torch.Tensor, page_size: int,
@@ -152,7 +152,7 @@ class DrafterRegions:
     mla_latent: Callable[..., torch.Tensor]
     mla_attention_inputs: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     output: Callable[..., torch.Tensor]
-    greedy_drafts: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    greedy_drafts: Callable[..., torch.Tensor]
     draft_addressing: Callable[..., tuple[torch.Tensor, ...]]
     compiled: bool
 

@@ -277,21 +277,10 @@ class DSparkForCausalLMBase(nn.Module, ABC):
         anchor_ids [R] (the block's first token); pick: logits [R, V] -> ids [R] (argmax,
         or a sampler at T > 0). Returns draft_ids [R, num_drafts] int64 and the (biased)
         draft_logits [R, num_drafts, V] float32. Slots used: 0..n-1 with shift_label, else 1..n.
-        The greedy pick runs through the regions (`greedy_drafts`) when the drafter has them.
+        The engine's greedy drafts go through `propose_greedy` (ids only).
         """
-        cfg = self.config
-        r, s = anchor_ids.shape[0], cfg.block_size
-        if hidden.shape[0] != r * s:
-            raise ValueError(f"hidden has {hidden.shape[0]} rows, expected {r} x block_size {s}")
-        if not 1 <= num_drafts <= cfg.num_drafts:
-            raise ValueError(f"num_drafts {num_drafts} outside [1, {cfg.num_drafts}]")
-        first = 0 if cfg.shift_label else 1
-        if pick is greedy_pick and self.regions is not None:
-            _, lm_head = self._target()
-            mh = self.markov_head
-            w1, w2 = (None, None) if mh is None else (mh.w1.weight, mh.w2.weight)
-            return self.regions.greedy_drafts(hidden, anchor_ids, lm_head.weight, lm_head.bias, w1, w2, s, first,
-                                              num_drafts)
+        first = self._check_propose(hidden, anchor_ids, num_drafts)
+        r, s = anchor_ids.shape[0], self.config.block_size
         h = hidden.reshape(r, s, -1)[:, first:first + num_drafts]
         logits = self.draft_logits(h.reshape(r * num_drafts, -1)).view(r, num_drafts, -1)
         prev, ids, out = anchor_ids, [], []
@@ -303,6 +292,28 @@ class DSparkForCausalLMBase(nn.Module, ABC):
             ids.append(prev)
             out.append(lj)
         return torch.stack(ids, dim=1), torch.stack(out, dim=1)
+
+    def propose_greedy(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, num_drafts: int) -> torch.Tensor:
+        """`propose` with argmax picks, ids only ([R, num_drafts] int64): through the regions'
+        `greedy_drafts` when the drafter has them (compiled, the biased logits are never written)."""
+        if self.regions is None:
+            return self.propose(hidden, anchor_ids, num_drafts)[0]
+        first = self._check_propose(hidden, anchor_ids, num_drafts)
+        _, lm_head = self._target()
+        mh = self.markov_head
+        w1, w2 = (None, None) if mh is None else (mh.w1.weight, mh.w2.weight)
+        return self.regions.greedy_drafts(hidden, anchor_ids, lm_head.weight, lm_head.bias, w1, w2,
+                                          self.config.block_size, first, num_drafts)
+
+    def _check_propose(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, num_drafts: int) -> int:
+        """Validate propose's inputs; returns the first slot used (0 with shift_label, else 1)."""
+        cfg = self.config
+        r, s = anchor_ids.shape[0], cfg.block_size
+        if hidden.shape[0] != r * s:
+            raise ValueError(f"hidden has {hidden.shape[0]} rows, expected {r} x block_size {s}")
+        if not 1 <= num_drafts <= cfg.num_drafts:
+            raise ValueError(f"num_drafts {num_drafts} outside [1, {cfg.num_drafts}]")
+        return 0 if cfg.shift_label else 1
 
     # ---- checks -------------------------------------------------------------------------
     def _check_caches(self, kv_caches: Sequence[torch.Tensor]) -> None:

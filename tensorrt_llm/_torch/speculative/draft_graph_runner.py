@@ -276,6 +276,6 @@ class DraftGraphRunner:
         feats = d.context_features(captured)
         d.write_context(feats, ctx_pos.view(-1), ctx_slots, self.kv_caches, self.backend, slots_valid=True)
         hidden = d.forward_block(blk_ids.view(-1), blk_pos.view(-1), md, self.kv_caches, self.backend)
-        ids, _ = d.propose(hidden, anchors, self.k_max)
+        ids = d.propose_greedy(hidden, anchors, self.k_max)
         return torch.cat([committed[:, None], anchors[:, None], ids], 1)
 

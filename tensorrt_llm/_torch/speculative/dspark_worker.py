@@ -25,7 +25,6 @@ from ...llmapi.llm_args import DSparkDecodingConfig
 from ..attention_backend.interface import AttentionBackend, AttentionMetadata, host_ints
 from ..attention_backend.resolver import Resolution, create_backend
 from ..models.dspark_config import DraftKVLayout
-from ..models.modeling_dspark import greedy_pick
 from ..pyexecutor.kv_cache.kv_cache_spec import KVCacheSpec
 from ..pyexecutor.kv_cache.resource_manager import KVCacheManager
 from ..runtime.device import is_device_fault
@@ -357,15 +356,15 @@ class DSparkWorker(Drafter):
         s_params = [reqs[i].sampling_params for i in sampled]
         slot_probs: list[torch.Tensor] = []        # per slot [len(sampled), V]
 
-        def pick(logits: torch.Tensor) -> torch.Tensor:
+        def pick(logits: torch.Tensor) -> torch.Tensor:      # greedy rows argmax, sampled rows draw
             out = logits.argmax(-1)
-            if sampled:
-                q = processed_rows(logits[at], s_params)
-                slot_probs.append(q)
-                out[at] = self.sampler.draw(q, s_ids, s_params, stream="draft")
+            q = processed_rows(logits[at], s_params)
+            slot_probs.append(q)
+            out[at] = self.sampler.draw(q, s_ids, s_params, stream="draft")
             return out
 
-        draft_ids, _ = self.drafter.propose(hidden, anchors, k_max, pick if sampled else greedy_pick)
+        draft_ids = (self.drafter.propose(hidden, anchors, k_max, pick)[0] if sampled
+                     else self.drafter.propose_greedy(hidden, anchors, k_max))
         # the drafts stay on the device (no wait here); their host copy is under way
         pending = PendingTokens(draft_ids)
         q_all = torch.stack(slot_probs, 1) if slot_probs else None   # [len(sampled), k_max, V]
