@@ -37,6 +37,7 @@ from sidebyside import DEVICE_CARRY, DEVICE_MODEL, drafter_dir  # noqa: E402
 
 sys.path.insert(0, str(REPO))
 from tensorrt_llm.bench.lm_eval_gsm8k import start_server, stop_server  # noqa: E402
+from tensorrt_llm.bench.yaml_option import yaml_mapping  # noqa: E402
 
 
 def arm_yaml(arm: str, backend: str, device: str, kv_tokens: int, extra: dict, drafters: dict) -> dict:
@@ -117,9 +118,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     arms = [x for x in a.arms.split(",") if x]
     if not arms or set(arms) - {"nospec", "gqa", "mla"}:
         ap.error(f"--arms {a.arms!r}: choose from nospec,gqa,mla")
-    extra = yaml.safe_load(a.extra_yaml) or {}
-    if not isinstance(extra, dict):
-        ap.error(f"--extra-yaml {a.extra_yaml!r} is not a YAML mapping")
+    try:
+        extra = yaml_mapping(a.extra_yaml, "--extra-yaml")
+    except ValueError as e:
+        ap.error(str(e))
     drafters = {"gqa": a.gqa or drafter_dir("gqa"), "mla": a.mla or drafter_dir("mla")}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

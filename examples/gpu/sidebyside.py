@@ -38,6 +38,8 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
+sys.path.insert(0, str(REPO))
+from tensorrt_llm.bench.yaml_option import yaml_mapping  # noqa: E402
 DEVICE_MODEL = "/tmp/models/smollm2-135m-instruct"          # device_setup.sh puts them here
 DEVICE_CARRY = Path("/tmp/carry")
 ARMS = ("hf", "nospec", "gqa", "mla")
@@ -59,14 +61,8 @@ def arm_specs(arms: Sequence[str], gqa: str, mla: str, backend: str, graphs: boo
     (spec_backend: the DSpark arms' target attention backend, default `backend`; spec_extra_yaml:
     a mapping merged into their speculative_config, e.g. a draft_len_schedule)."""
     engine = {"attn_backend": backend, "use_cuda_graph": graphs, "kv_cache_config": {"max_tokens": kv_tokens}}
-    if extra_yaml:
-        extra = yaml.safe_load(extra_yaml)
-        if not isinstance(extra, dict):
-            raise ValueError(f"--extra-yaml {extra_yaml!r} is not a YAML mapping")
-        engine.update(extra)
-    spec_extra = yaml.safe_load(spec_extra_yaml) if spec_extra_yaml else {}
-    if not isinstance(spec_extra, dict):
-        raise ValueError(f"--spec-extra-yaml {spec_extra_yaml!r} is not a YAML mapping")
+    engine.update(yaml_mapping(extra_yaml, "--extra-yaml"))
+    spec_extra = yaml_mapping(spec_extra_yaml, "--spec-extra-yaml")
     out = []
     for a in arms:
         if a == "hf":
@@ -134,7 +130,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = ap.parse_args(argv)
     a.gqa = a.gqa or drafter_dir("gqa")
     a.mla = a.mla or drafter_dir("mla")
-    sys.path.insert(0, str(REPO))
     from tensorrt_llm.bench import sidebyside
     try:
         inner = build_argv(a)

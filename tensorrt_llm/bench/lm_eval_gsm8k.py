@@ -39,6 +39,7 @@ import yaml
 
 from . import datasets
 from .serving_client import acceptance_length
+from .yaml_option import yaml_mapping
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TASK_TEMPLATE = Path(__file__).resolve().parent / "lm_eval_tasks" / "gsm8k_local.yaml"
@@ -376,11 +377,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.limit < 1:
         p.error(f"--limit must be >= 1, got {a.limit}")
     try:
-        a.engine_yaml = yaml.safe_load(a.engine_yaml) or {}
-    except yaml.YAMLError as e:
-        p.error(f"--engine-yaml {a.engine_yaml!r} is not valid YAML: {e}")
-    if not isinstance(a.engine_yaml, dict):
-        p.error(f"--engine-yaml {a.engine_yaml!r} is not a YAML mapping")
+        a.engine_yaml = yaml_mapping(a.engine_yaml, "--engine-yaml")
+    except ValueError as e:
+        p.error(str(e))
     import tempfile
 
     work = Path(a.work_dir or tempfile.mkdtemp(prefix="lm_eval_gsm8k_")).resolve()
