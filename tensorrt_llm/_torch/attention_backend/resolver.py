@@ -3,10 +3,11 @@
 CPU -> VANILLA. CUDA + MLA drafter -> FLASHINFER's absorbed-MLA paged decode, or TRITON's where
 flashinfer cannot run the model's dtype (float32); it never degrades to VANILLA (a clear error
 names what is missing). CUDA + GQA -> FLASHINFER -> VANILLA, degrading with a logged reason.
-Every choice is checked against the backend's declared `capabilities` (device, dtype, fp8 KV). TRITON (plan-free, lengths on the device) is an
-explicit choice here; a DSpark drafter under AUTO with CUDA graphs then switches to its device
-draft step's TRITON backend for every draft step (`DSparkWorker.enable_device_drafts`). An explicit choice that cannot run raises; an unknown name raises
-(listing the known ones).
+Every choice is checked against the backend's declared `capabilities` (device, dtype, fp8 KV).
+TRITON (plan-free, lengths on the device) is otherwise an explicit choice; a DSpark drafter under
+AUTO with CUDA graphs then switches to its device draft step's TRITON backend for every draft step
+(`DSparkWorker.enable_device_drafts`). An explicit choice that cannot run raises; an unknown name
+raises (listing the known ones).
 """
 from __future__ import annotations
 
@@ -65,9 +66,8 @@ def probe_environment(device: torch.device) -> Probe:
 
 
 def _why_unavailable(name: str, probe: Probe, mla: bool, dtype: torch.dtype) -> str:
-    """Empty string when `name` can run under `probe` with `dtype` activations; else the reason."""
-    if name not in _LOADERS:
-        raise ValueError(f"unknown attention backend {name!r}; known: AUTO, {', '.join(KNOWN_BACKENDS)}")
+    """Empty string when `name` (a known backend) can run under `probe` with `dtype` activations;
+    else the reason."""
     if name != "VANILLA" and probe.device_type != "cuda":
         return f"{name} needs a CUDA device (device is {probe.device_type})"
     if name == "FLASHINFER":
