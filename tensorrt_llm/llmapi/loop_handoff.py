@@ -25,7 +25,6 @@ class LoopHandoff:
         self._lock = threading.Lock()
         self._items: list[tuple[asyncio.Queue, Any]] = []
         self._scheduled = False
-        self.wakeups = 0            # drains scheduled so far (one per burst of posts)
 
     @staticmethod
     def for_loop(loop: asyncio.AbstractEventLoop) -> "LoopHandoff":
@@ -43,7 +42,6 @@ class LoopHandoff:
             if self._scheduled:
                 return
             self._scheduled = True
-            self.wakeups += 1
         try:
             self._loop.call_soon_threadsafe(self._drain)
         except RuntimeError:        # the loop is closed
