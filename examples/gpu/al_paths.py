@@ -56,7 +56,7 @@ def run_path(name: str, a: argparse.Namespace, texts: list[str]) -> tuple[dict, 
     outs = [llm.generate([p], params)[0] for p in chat]
     steps = sum(o.metrics["num_verify_steps"] for o in outs)
     accepted = sum(o.metrics["num_accepted_drafts"] for o in outs)
-    row = {"path": name, "engine_args": {k: v for k, v in path_args(name).items()},
+    row = {"path": name, "engine_args": path_args(name),
            "acceptance_length": 1 + accepted / max(steps, 1),
            "al_per_prompt": [round(o.metrics["acceptance_length"], 4) for o in outs],
            "accept_histogram": llm.get_stats()["speculative"]["accept_histogram"],

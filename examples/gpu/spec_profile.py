@@ -142,14 +142,16 @@ def profile_arm(model: str, drafter: str | None, batch: int, max_tokens: int, pr
     llm.generate(chat, SamplingParams(max_tokens=32, ignore_eos=True))   # warm-up, graph capture
     llm.generate(chat, params)
     # waves > 1: the other prompts of the set, cycled, arrive as requests finish
-    chat = [llm.apply_chat_template([{"role": "user", "content": prompts[i % len(prompts)]}])
-                            for i in range(batch * waves)] if waves > 1 else chat
+    if waves > 1:
+        chat = [llm.apply_chat_template([{"role": "user", "content": prompts[i % len(prompts)]}])
+                for i in range(batch * waves)]
 
     # 1. phase timers
     timers: dict = defaultdict(float)
     _wrap_timers(ex, timers)
     by_kind = {"prompt": defaultdict(float), "other": defaultdict(float)}
-    _split_by_step_kind(ex, timers, by_kind)
+    if waves > 1:       # a closed batch has one prompt step: its steps are not wrapped twice
+        _split_by_step_kind(ex, timers, by_kind)
     t0, it0 = time.perf_counter(), ex.iterations
     hist0 = list(ex.drafter.stats()["accept_histogram"]) if ex.drafter is not None else []
     outs = llm.generate(chat, params)
@@ -161,7 +163,8 @@ def profile_arm(model: str, drafter: str | None, batch: int, max_tokens: int, pr
     res = {"arm": name, "batch": batch, "waves": waves, "max_tokens": max_tokens, "wall_s": wall, "steps": steps,
            "tok_per_s": toks / wall, "ms_per_step": 1000 * wall / max(steps, 1),
            "step_ms_inside_step": step_ms, "phase_ms_per_step": phases,
-           "phase_ms_by_step_kind": {k: {"steps": int(v["n"]), **_phases(v, v["n"])} for k, v in by_kind.items()},
+           "phase_ms_by_step_kind": ({k: {"steps": int(v["n"]), **_phases(v, v["n"])} for k, v in by_kind.items()}
+                                     if waves > 1 else None),
            "tokens_per_step": toks / max(steps, 1), "overlap_scheduler": llm.capacity_report["overlap_scheduler"],
            "continued_steps": ex.engine.num_continued_steps,
            "one_graph_steps": ex.engine.spec_step.num_launches if ex.engine.spec_step is not None else 0,
