@@ -12,7 +12,8 @@ whose text equals the reference's but whose AL is lower drafts differently: a dr
 
 Paths: prod (TRITON + CUDA graphs + compiled regions, bf16: the benchmark's), graphs_eager_regions
 (no compiled regions), triton_eager (no graphs), vanilla_eager (VANILLA target and drafter, the CPU
-reference path, on the GPU), and each with a _fp32 suffix in float32 (FLASHINFER cannot run it:
+reference path, on the GPU), flashinfer_eager (FLASHINFER target and drafter),
+triton_target_vanilla_drafter and vanilla_target_triton_drafter (which side's kernels move the AL), and each with a _fp32 suffix in float32 (FLASHINFER cannot run it:
 VANILLA and TRITON can). --device cpu with vanilla_eager / vanilla_eager_fp32 for a CPU run.
 """
 from __future__ import annotations
@@ -30,6 +31,9 @@ PATHS = {
     "graphs_eager_regions": dict(attn_backend="TRITON", use_cuda_graph=True),
     "triton_eager": dict(attn_backend="TRITON"),
     "vanilla_eager": dict(attn_backend="VANILLA", drafter_backend="VANILLA"),
+    "flashinfer_eager": dict(attn_backend="FLASHINFER", drafter_backend="FLASHINFER"),
+    "triton_target_vanilla_drafter": dict(attn_backend="TRITON", drafter_backend="VANILLA"),
+    "vanilla_target_triton_drafter": dict(attn_backend="VANILLA", drafter_backend="TRITON"),
 }
 
 
