@@ -124,13 +124,13 @@ def break_draft_reuse(llm: LLM) -> None:
     spec = llm._executor.drafter     # no public handle on the worker: this is a test double
     if spec is None or not llm._bundle.kv.has_draft_pool:
         raise ValueError("the broken arm needs a drafter (a draft KV pool)")
-    draft = spec.draft
+    write = spec._write_context      # the draft-context write of every drafting path
 
-    def draft_tail_from_zero(commits, captured, ahead=None):
+    def write_tail_from_zero(commits, captured):
         shifted = [StepCommit(c.req, c.row0, c.start - c.req.num_cached_prompt if c.req.num_cached_prompt else c.start,
                               c.count) for c in commits]
-        return draft(shifted, captured, ahead)
-    spec.draft = draft_tail_from_zero
+        return write(shifted, captured)
+    spec._write_context = write_tail_from_zero
 
 
 def _llm(model: str, llm_options: dict, drafter: Optional[str], reuse: bool) -> LLM:

@@ -88,7 +88,8 @@ class LLM:
         stats = {"iterations": ex.iterations, "kv_cache": kv, "prefix_cache": kv["reuse"],
                  "steps": {"total": ex.iterations, "with_prompt_chunks": ex.prompt_steps,
                            "read_in_flight_first": ex.reads_before_launch,
-                           "prompts_beside_in_flight": ex.prompts_beside_flight, **dataclasses.asdict(ex.engine.paths),
+                           "prompts_beside_in_flight": ex.prompts_beside_flight,
+                           "prompts_read_late": ex.prompts_read_late, **dataclasses.asdict(ex.engine.paths),
                            "seconds": ex.step_seconds, "seconds_with_prompt_chunks": ex.prompt_step_seconds}}
         if self._executor.drafter is not None:
             stats["speculative"] = self._executor.drafter.stats()

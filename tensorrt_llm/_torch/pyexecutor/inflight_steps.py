@@ -45,6 +45,9 @@ class SpecStep:
     live: list[int]                    # indices into reqs of the verify rows, in order
     verify_width: int
     ahead: Optional[DraftsAhead]       # the next drafts, launched from the device-side verify rows
+    # a prompt-only step whose every request `ahead` drafted from its chosen id on the device (they
+    # continue from those rows: generating, each one position short of its prompt on the host)
+    arrivals_ahead: bool = False
 
     def read(self) -> tuple[list[int], list[Optional[list[int]]]]:
         """(chosen id per logits row of the prompt ends; per request of `reqs` its verify row without
@@ -59,9 +62,11 @@ class SpecStep:
 
     @property
     def deferrable(self) -> bool:
-        """Its reading may wait a step: no prompt chunk, and every verified request drafted ahead (its
-        next segment can be launched from the device rows)."""
-        if self.num_ctx or self.ahead is None or not self.live:
+        """Its reading may wait a step: every verified request drafted ahead (its next segment can be
+        launched from the device rows), and no prompt chunk unless every arrival was (`arrivals_ahead`)."""
+        if self.num_ctx:
+            return self.arrivals_ahead
+        if self.ahead is None or not self.live:
             return False
         reqs, rows = self.reqs, self.ahead.rows
         return all(reqs[i].request_id in rows for i in self.live)
@@ -72,6 +77,8 @@ class SpecStep:
         continues a segment of this step)."""
         reqs, segments = self.reqs, self.segments
         in_step = {reqs[i].request_id: len(segments[i].token_ids) for i in self.live}
+        if self.arrivals_ahead:    # each arrival's step commits its first token
+            in_step.update((reqs[i].request_id, 1) for i in range(self.num_ctx))
         rows = self.ahead.rows if self.ahead is not None else {}
         kept = [r for r in gens if (q := in_step.get(r.request_id)) is None
                 or (r.request_id in rows and len(r.output_token_ids) + q < r.sampling_params.max_tokens)]

@@ -22,7 +22,7 @@ import torch
 from ..runtime.device import is_device_fault
 from ..runtime.llm_request import LlmRequest, RequestState
 from ..runtime.sampler import Sampler
-from ..runtime.step import ForwardOutput, ForwardSegment, StepCommit, VerifiedSegment
+from ..runtime.step import DraftsAhead, ForwardOutput, ForwardSegment, StepCommit, VerifiedSegment
 from ..runtime.token_rows import PendingTokens, segment_drafts
 from ..speculative.interface import Drafter
 from .kv_cache.resource_manager import KVCacheManager
@@ -72,6 +72,7 @@ class PyExecutor:
         self.prompt_steps = 0            # steps with a prompt chunk
         self.reads_before_launch = 0     # DSpark steps in flight read before the next launch
         self.prompts_beside_flight = 0   # prompt-only steps launched while a DSpark step ran on
+        self.prompts_read_late = 0       # prompt steps read one step late (their drafts launched ahead)
         self._prompt_only_last = False   # the previous step was one of those
         self.step_seconds = 0.0          # wall seconds inside `step` (launches, reads and waits)
         self.prompt_step_seconds = 0.0   # the share of it in steps with a prompt chunk
@@ -243,6 +244,7 @@ class PyExecutor:
                     self._complete(prev)
                 if self.spec_overlap and step.deferrable:
                     self._spec_inflight = step     # read at the next step, while the GPU runs it
+                    self.prompts_read_late += int(step.num_ctx > 0)
                 else:
                     self._complete(step)
             self._retire_finished()
@@ -374,17 +376,44 @@ class PyExecutor:
         parts = [t.reshape(-1) for t in (ids, ver) if t is not None]
         # the host copy is queued before the draft launch, so reading it waits for the verify step only
         copy = PendingTokens(torch.cat(parts).view(1, -1)) if parts else None
-        ahead = None
-        if ver is not None and out.captured is not None:
-            segs = [VerifiedSegment(reqs[i], out.token_offsets[i], segments[i].start, len(segments[i].token_ids), j,
-                                    segments[i].start_shift) for j, i in enumerate(live)]
-            try:
+        ahead, arrivals = None, False
+        try:   # not fatal: the requests draft after the update instead
+            if ver is not None and out.captured is not None:
+                segs = [VerifiedSegment(reqs[i], out.token_offsets[i], segments[i].start, len(segments[i].token_ids),
+                                        j, segments[i].start_shift) for j, i in enumerate(live)]
                 ahead = drafter.draft_ahead(segs, ver, out.captured)
-            except Exception as e:   # not fatal: the requests draft after the update instead
-                if is_device_fault(e):
-                    raise
-                logger.error("draft_ahead failed (%s: %s); drafting after the update", type(e).__name__, e)
-        return SpecStep(reqs, segments, num_ctx, out, copy, n, live, k1, ahead)
+            elif self.spec_overlap and num_ctx == len(reqs) and ids is not None and out.captured is not None:
+                ahead, arrivals = self._launch_arrivals(reqs, segments, out, ids)
+        except Exception as e:
+            if is_device_fault(e):
+                raise
+            logger.error("draft_ahead failed (%s: %s); drafting after the update", type(e).__name__, e)
+        return SpecStep(reqs, segments, num_ctx, out, copy, n, live, k1, ahead, arrivals)
+
+    def _launch_arrivals(self, reqs: list[LlmRequest], segments: list[ForwardSegment], out: ForwardOutput,
+                         ids: torch.Tensor) -> tuple[Optional[DraftsAhead], bool]:
+        """A prompt-only step whose chunks all end their prompts, every request greedy: launch the
+        requests' first drafts from their chosen ids on the device (ids [len(reqs)]). Returns (the
+        launch or None, whether it took every request: then the step is read one step late and each
+        request is advanced as if its first token were read: generating, its host count one short of
+        its prompt, the count the launch commits on the device)."""
+        if any(not s.num_logits for s in segments) or any(r.context_only or not r.sampling_params.greedy
+                                                          for r in reqs):
+            return None, False
+        for req in reqs:
+            req.state = RequestState.GENERATION       # the draft step takes generating requests only
+        ahead = None
+        try:
+            ahead = self.drafter.draft_arrivals([StepCommit(r, out.token_offsets[i], s.start, len(s.token_ids))
+                                                 for i, (r, s) in enumerate(zip(reqs, segments))], ids, out.captured)
+        finally:
+            whole = ahead is not None and len(ahead.rows) == len(reqs)
+            for req, seg in zip(reqs, segments):
+                if whole:
+                    req.num_computed = seg.start + len(seg.token_ids) - 1
+                else:
+                    req.state = RequestState.CONTEXT   # read before the next launch, as any prompt step
+        return ahead, whole
 
     def _complete(self, step: "SpecStep") -> None:
         """Read a launched step's choices and apply them: append + stop criteria, kv.commit, drafts."""
@@ -476,8 +505,8 @@ class PyExecutor:
             if req.state is finished:    # failed earlier in this step (its verify)
                 continue
             try:
-                if i < num_ctx:
-                    req.num_computed += len(seg.token_ids)
+                if i < num_ctx:   # (absolute: a prompt step read late was advanced at its launch)
+                    req.num_computed = seg.start + len(seg.token_ids)
                     if drafter is not None:
                         commits.append(StepCommit(req, out.token_offsets[i], seg.start, len(seg.token_ids)))
                     if seg.num_logits:

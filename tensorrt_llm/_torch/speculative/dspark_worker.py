@@ -265,8 +265,26 @@ class DSparkWorker(Drafter):
         if rest and captured is not None:
             self._eager_draft(rest, captured)
 
+    @torch.inference_mode()
+    def draft_arrivals(self, commits: Sequence[StepCommit], anchors: torch.Tensor,
+                       captured: torch.Tensor) -> Optional[DraftsAhead]:
+        if self.graph_runner is None or not commits:
+            return None
+        self._write_context(commits, captured)
+        return self._launch_last_rows(commits, anchors, captured)
+
     def _eager_draft(self, commits: Sequence[StepCommit], captured: torch.Tensor) -> None:
         """The draft step without CUDA graphs: any mix of context chunks, clamps and sampling."""
+        self._write_context(commits, captured)
+        self._mark_written(commits)
+        gen = [c for c in commits if c.req.state is RequestState.GENERATION and c.count]
+        if gen:
+            rest = self._launch_from_last(gen, captured)
+            if rest:
+                self._draft(rest)
+
+    def _write_context(self, commits: Sequence[StepCommit], captured: torch.Tensor) -> None:
+        """The draft context (K/V from the captured target rows) of the committed positions."""
         kv = self.kv
         rows, pos, slots = [], [], []
         for c in commits:
@@ -282,12 +300,6 @@ class DSparkWorker(Drafter):
             feats = self.drafter.context_features(captured[host_ints(rows, captured.device)])
             self.drafter.write_context(feats, host_ints(pos, self.device), host_ints(slots, self.device),
                                        self.kv_caches, self.backend, slots_valid=-1 not in slots)
-        self._mark_written(commits)
-        gen = [c for c in commits if c.req.state is RequestState.GENERATION and c.count]
-        if gen:
-            rest = self._launch_from_last(gen, captured)
-            if rest:
-                self._draft(rest)
 
     def _launch_from_last(self, commits: Sequence[StepCommit], captured: torch.Tensor) -> list[LlmRequest]:
         """Draft the greedy requests among `commits` with the device draft step, as a one-row verify
@@ -296,15 +308,21 @@ class DSparkWorker(Drafter):
         through an eager draft block. Returns the requests left to draft eagerly."""
         if self.graph_runner is None:       # its widths hold 1 (`enable_device_drafts`)
             return [c.req for c in commits]
-        items = [VerifiedSegment(c.req, c.row0 + c.count - 1, c.start + c.count - 1, 1, j)
-                 for j, c in enumerate(commits)]
         anchors = host_ints([c.req.token_at(c.req.num_computed) for c in commits], captured.device)
-        ahead = self.draft_ahead(items, anchors.view(-1, 1), captured)
+        ahead = self._launch_last_rows(commits, anchors, captured)
         rows = ahead.rows if ahead is not None else {}
         for c in commits:
             if c.req.request_id in rows:
                 c.req.draft_tokens, c.req.draft_probs = ahead.drafts(c.req.request_id), None
         return [c.req for c in commits if c.req.request_id not in rows]
+
+    def _launch_last_rows(self, commits: Sequence[StepCommit], anchors: torch.Tensor,
+                          captured: torch.Tensor) -> Optional[DraftsAhead]:
+        """The device draft step from each commit's last row as a one-row verify segment whose only
+        verified token is its anchor (anchors [len(commits)] int64 on the device)."""
+        items = [VerifiedSegment(c.req, c.row0 + c.count - 1, c.start + c.count - 1, 1, j)
+                 for j, c in enumerate(commits)]
+        return self.draft_ahead(items, anchors.view(-1, 1), captured)
 
     def _mark_written(self, commits: Sequence[StepCommit]) -> None:
         """The committed positions' draft KV is written (the manager publishes what waited for it)."""

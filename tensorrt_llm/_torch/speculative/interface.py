@@ -97,6 +97,15 @@ class Drafter(ABC):
         the host update. A drafter that cannot launch early returns None."""
         return None
 
+    def draft_arrivals(self, commits: Sequence[StepCommit], anchors: torch.Tensor,
+                       captured: torch.Tensor) -> Optional[DraftsAhead]:
+        """Launch the first drafts of prompts that end in this step before the host reads their first
+        tokens: write the draft context of the committed prompt rows, then draft from each prompt's
+        last row with its chosen token anchors[i] ([len(commits)] int64 on the device). The requests
+        are generating already. Returns what was launched, or None; `draft` handles the rest after the
+        host update. A drafter that cannot launch early returns None."""
+        return None
+
     @abstractmethod
     def accept(self, req: LlmRequest, verified: Sequence[int], num_drafts: int) -> list[int]:
         """A request's host row of `verify` (without its -1 padding) for a segment of `num_drafts`

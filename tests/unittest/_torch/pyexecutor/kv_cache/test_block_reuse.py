@@ -263,13 +263,13 @@ def _zero_reused_draft_pages(monkeypatch):
 
 
 def _tail_from_position_zero(monkeypatch):
-    orig = DSparkWorker.draft
+    orig = DSparkWorker._write_context     # the draft-context write of every path (arrivals too)
 
-    def broken(self, commits, captured, ahead=None):
+    def broken(self, commits, captured):
         commits = [StepCommit(c.req, c.row0, c.start - c.req.num_cached_prompt if c.start < c.req.prompt_len
                               else c.start, c.count) for c in commits]
-        return orig(self, commits, captured, ahead)
-    monkeypatch.setattr(DSparkWorker, "draft", broken)
+        return orig(self, commits, captured)
+    monkeypatch.setattr(DSparkWorker, "_write_context", broken)
 
 
 def _partial_hit(make_llm, target, drafter, snaps, monkeypatch, breakage=None):
@@ -372,6 +372,7 @@ def test_stop_inside_accepted_run_publishes_no_short_block(make_llm, tiny_llama_
     monkeypatch.setattr(DSparkWorker, "_draft_group", oracle)
     # the arrival drafts through the eager draft block (where the oracle sits), not the device draft step
     monkeypatch.setattr(DSparkWorker, "_launch_from_last", lambda self, commits, captured: [c.req for c in commits])
+    monkeypatch.setattr(DSparkWorker, "draft_arrivals", lambda self, commits, anchors, captured: None)
     llm = _engine(make_llm, tiny_llama_dir, drafters["mla"])
     for j in (2, 6, 11):
         stop = base[j]
