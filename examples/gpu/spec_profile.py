@@ -168,6 +168,9 @@ def profile_arm(model: str, drafter: str | None, batch: int, max_tokens: int, pr
            "tokens_per_step": toks / max(steps, 1), "overlap_scheduler": llm.capacity_report["overlap_scheduler"],
            "continued_steps": ex.engine.num_continued_steps,
            "one_graph_steps": ex.engine.spec_step.num_launches if ex.engine.spec_step is not None else 0,
+           # since the engine started (warm-up included): how prompt steps ran beside the step in flight
+           "prompt_steps": {"total": ex.prompt_steps, "beside_in_flight": ex.prompts_beside_flight,
+                            "read_late": ex.prompts_read_late, "read_in_flight_first": ex.reads_before_launch},
            "cuda_graphs": llm.capacity_report.get("cuda_graphs"),
            "drafter_regions": llm.capacity_report.get("drafter_regions")}
     if ex.drafter is not None:
