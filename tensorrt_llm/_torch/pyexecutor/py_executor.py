@@ -437,13 +437,19 @@ class PyExecutor:
         one step). A step with prompt chunks runs them alone while the step in flight keeps running
         (read after this launch; its requests continue at the next step, in one graph again), but
         never twice in a row, so that generation is not held back by a stream of arrivals: then, as
-        when nothing could continue, the step in flight is read first and the step mixes both."""
+        when nothing could continue, the step in flight is read first and the step mixes both. After
+        a prompt-only step read late (its arrivals continue from its device rows) the new prompts wait
+        one step instead, so the two kinds alternate and neither waits for a read."""
         gens = batch.generation_requests
         kept, continuing = self._spec_inflight.continuable(gens)
         if batch.context_requests and continuing and not prompt_only_before:
             batch.generation_requests = []
             self.prompts_beside_flight += 1
             self._prompt_only_last = True
+            return
+        if batch.context_requests and continuing and self._spec_inflight.arrivals_ahead:
+            batch.context_requests, batch.context_chunks = [], []
+            batch.generation_requests = kept
             return
         if batch.context_requests or not continuing:
             self.reads_before_launch += 1

@@ -88,6 +88,27 @@ def test_arrivals_are_read_one_step_late(make_llm, tiny_llama_dir, tiny_drafters
     assert bad != ref
 
 
+def test_prompts_wait_one_step_after_arrivals_read_late(make_llm, tiny_llama_dir, tiny_drafters, monkeypatch):
+    """After a prompt-only step read late, new prompts sit out one step (its arrivals continue with the
+    running requests, nothing is read first): seen at least once over many short requests; lossless."""
+    held = []
+    real = PyExecutor._continue_or_complete
+
+    def counting(self, batch, prompt_only_before):
+        n = len(batch.context_requests)
+        real(self, batch, prompt_only_before)
+        held.append(n and not batch.context_requests and bool(batch.generation_requests))
+    monkeypatch.setattr(PyExecutor, "_continue_or_complete", counting)
+    rng = random.Random(7)
+    prompts = random_prompts(rng, 30)
+    params = [SamplingParams(max_tokens=rng.randrange(2, 40), ignore_eos=True) for _ in prompts]
+    want, _, _ = generate_run(make_llm, tiny_llama_dir, prompts, params, overlap=False)
+    got, stats, _ = generate_run(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters["gqa"],
+                                 max_batch_size=4)
+    assert got == want
+    assert sum(held) > 0 and stats["steps"]["prompts_read_late"] > 0
+
+
 def test_sampled_and_greedy_requests_mix(make_llm, tiny_llama_dir, tiny_drafters):
     """Sampled requests draft eagerly and are never continued; a step holding one is read at once.
     Their tokens depend only on their seeds: overlap on == off, greedy rows == no-spec."""
