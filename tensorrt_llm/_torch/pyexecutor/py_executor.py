@@ -22,9 +22,10 @@ import torch
 from ..runtime.device import is_device_fault
 from ..runtime.llm_request import LlmRequest, RequestState
 from ..runtime.sampler import Sampler
-from ..runtime.step import DraftsAhead, ForwardOutput, ForwardSegment, StepCommit, VerifiedSegment
+from ..runtime.step import ForwardOutput, ForwardSegment, StepCommit, VerifiedSegment
 from ..runtime.token_rows import PendingTokens, segment_drafts
 from ..speculative.interface import Drafter
+from .arrival_drafts import launch_arrivals
 from .kv_cache.resource_manager import KVCacheManager
 from .model_engine import ModelEngine
 from .inflight_steps import OverlapStep, SpecStep, last_token_pending
@@ -383,37 +384,12 @@ class PyExecutor:
                                         j, segments[i].start_shift) for j, i in enumerate(live)]
                 ahead = drafter.draft_ahead(segs, ver, out.captured)
             elif self.spec_overlap and num_ctx == len(reqs) and ids is not None and out.captured is not None:
-                ahead, arrivals = self._launch_arrivals(reqs, segments, out, ids)
+                ahead, arrivals = launch_arrivals(drafter, reqs, segments, out, ids)
         except Exception as e:
             if is_device_fault(e):
                 raise
             logger.error("draft_ahead failed (%s: %s); drafting after the update", type(e).__name__, e)
         return SpecStep(reqs, segments, num_ctx, out, copy, n, live, k1, ahead, arrivals)
-
-    def _launch_arrivals(self, reqs: list[LlmRequest], segments: list[ForwardSegment], out: ForwardOutput,
-                         ids: torch.Tensor) -> tuple[Optional[DraftsAhead], bool]:
-        """A prompt-only step whose chunks all end their prompts, every request greedy: launch the
-        requests' first drafts from their chosen ids on the device (ids [len(reqs)]). Returns (the
-        launch or None, whether it took every request: then the step is read one step late and each
-        request is advanced as if its first token were read: generating, its host count one short of
-        its prompt, the count the launch commits on the device)."""
-        if any(not s.num_logits for s in segments) or any(r.context_only or not r.sampling_params.greedy
-                                                          for r in reqs):
-            return None, False
-        for req in reqs:
-            req.state = RequestState.GENERATION       # the draft step takes generating requests only
-        ahead = None
-        try:
-            ahead = self.drafter.draft_arrivals([StepCommit(r, out.token_offsets[i], s.start, len(s.token_ids))
-                                                 for i, (r, s) in enumerate(zip(reqs, segments))], ids, out.captured)
-        finally:
-            whole = ahead is not None and len(ahead.rows) == len(reqs)
-            for req, seg in zip(reqs, segments):
-                if whole:
-                    req.num_computed = seg.start + len(seg.token_ids) - 1
-                else:
-                    req.state = RequestState.CONTEXT   # read before the next launch, as any prompt step
-        return ahead, whole
 
     def _complete(self, step: "SpecStep") -> None:
         """Read a launched step's choices and apply them: append + stop criteria, kv.commit, drafts."""

@@ -14,6 +14,7 @@ import random
 import pytest
 
 from tensorrt_llm import SamplingParams
+from tensorrt_llm._torch.pyexecutor import py_executor
 from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor
 from tensorrt_llm._torch.runtime import token_rows
 
@@ -75,14 +76,14 @@ def test_arrivals_are_read_one_step_late(make_llm, tiny_llama_dir, tiny_drafters
     assert got == ref
     assert stats["steps"]["prompts_read_late"] == ex.prompts_read_late > 0
 
-    real = PyExecutor._launch_arrivals
+    real = py_executor.launch_arrivals
 
-    def one_late(self, reqs, segments, out, ids):
-        ahead, whole = real(self, reqs, segments, out, ids)
+    def one_late(drafter, reqs, segments, out, ids):
+        ahead, whole = real(drafter, reqs, segments, out, ids)
         for req in reqs if whole else ():
             req.num_computed += 1
         return ahead, whole
-    monkeypatch.setattr(PyExecutor, "_launch_arrivals", one_late)
+    monkeypatch.setattr(py_executor, "launch_arrivals", one_late)
     bad, _, _ = generate_run(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters[kind],
                              max_batch_size=3)
     assert bad != ref
