@@ -1,0 +1,68 @@
+"""Arrivals drafted before the host reads their first tokens (`pyexecutor/arrival_drafts.py`): a
+prompt-only step launches its prompts' first drafts from the chosen ids on the device and is read one
+step late; prompts arriving meanwhile wait one step. Outputs equal no-spec greedy."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tensorrt_llm import SamplingParams
+from tensorrt_llm._torch.pyexecutor import py_executor
+from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor
+
+from tests.unittest._torch.pyexecutor.spec_runs import generate_run, random_prompts
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_arrivals_are_read_one_step_late(make_llm, tiny_llama_dir, tiny_drafters, monkeypatch, kind):
+    """A prompt-only step launches its prompts' first drafts from the chosen ids on the device and is
+    read one step later (the requests continue from those rows): outputs equal no-spec greedy, with
+    stop ids and max_tokens 1 among them. Negative control: an arrival advanced to its full prompt
+    length on the host (its continued segment one position late) changes the output."""
+    rng = random.Random(11)
+    prompts = random_prompts(rng, 9)
+    max_tokens = [1 if i == 4 else rng.randrange(3, 30) for i in range(len(prompts))]
+    want, _, _ = generate_run(make_llm, tiny_llama_dir, prompts,
+                              [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens], overlap=False)
+    params = [SamplingParams(max_tokens=m, stop_token_ids=[t[0]] if i == 2 else [], ignore_eos=True)
+              for i, (m, t) in enumerate(zip(max_tokens, want))]
+    ref, _, _ = generate_run(make_llm, tiny_llama_dir, prompts, params, overlap=False)
+    assert ref[2] != want[2] and ref[4] == want[4][:1]     # a stop on the first token; max_tokens 1
+    got, stats, ex = generate_run(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters[kind],
+                                  max_batch_size=3)
+    assert got == ref
+    assert stats["steps"]["prompts_read_late"] == ex.prompts_read_late > 0
+
+    real = py_executor.launch_arrivals
+
+    def one_late(drafter, reqs, segments, out, ids):
+        ahead, whole = real(drafter, reqs, segments, out, ids)
+        for req in reqs if whole else ():
+            req.num_computed += 1
+        return ahead, whole
+    monkeypatch.setattr(py_executor, "launch_arrivals", one_late)
+    bad, _, _ = generate_run(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters[kind],
+                             max_batch_size=3)
+    assert bad != ref
+
+
+def test_prompts_wait_one_step_after_arrivals_read_late(make_llm, tiny_llama_dir, tiny_drafters, monkeypatch):
+    """After a prompt-only step read late, new prompts sit out one step (its arrivals continue with the
+    running requests, nothing is read first): seen at least once over many short requests; lossless."""
+    held = []
+    real = PyExecutor._continue_or_complete
+
+    def counting(self, batch, prompt_only_before):
+        n = len(batch.context_requests)
+        real(self, batch, prompt_only_before)
+        held.append(n and not batch.context_requests and bool(batch.generation_requests))
+    monkeypatch.setattr(PyExecutor, "_continue_or_complete", counting)
+    rng = random.Random(7)
+    prompts = random_prompts(rng, 30)
+    params = [SamplingParams(max_tokens=rng.randrange(2, 40), ignore_eos=True) for _ in prompts]
+    want, _, _ = generate_run(make_llm, tiny_llama_dir, prompts, params, overlap=False)
+    got, stats, _ = generate_run(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters["gqa"],
+                                 max_batch_size=4)
+    assert got == want
+    assert sum(held) > 0 and stats["steps"]["prompts_read_late"] > 0
