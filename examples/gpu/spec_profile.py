@@ -69,8 +69,10 @@ def _gpu_ms_per_step(llm, prompts, params) -> dict:
         llm.generate(prompts, params)
     n = max(ex.iterations - it0, 1)
     dev_us, launches = 0.0, 0
-    rows = []
+    rows, api = [], []
     for e in prof.key_averages():
+        if e.key.startswith("cuda"):   # CUDA runtime calls: a long one is a wait (sync, pageable copy)
+            api.append((e.self_cpu_time_total, e.key, e.count))
         d = getattr(e, "self_device_time_total", None)
         if d is None:
             d = getattr(e, "self_cuda_time_total", 0.0)
@@ -81,7 +83,9 @@ def _gpu_ms_per_step(llm, prompts, params) -> dict:
     rows.sort(reverse=True)
     return {"profiled_steps": n, "gpu_ms_per_step": dev_us / 1000 / n, "gpu_ops_per_step": launches / n,
             "top_device": [{"name": k[:90], "ms_per_step": d / 1000 / n, "calls_per_step": c / n}
-                           for d, k, c in rows[:40]]}
+                           for d, k, c in rows[:40]],
+            "top_host_cuda_api": [{"name": k, "host_ms_per_step": t / 1000 / n, "calls_per_step": c / n}
+                                  for t, k, c in sorted(api, reverse=True)[:12]]}
 
 
 def _cprofile_top(prof: cProfile.Profile, steps: int, n: int = 30) -> list[dict]:
@@ -125,14 +129,15 @@ def _phases(timers: dict, n: int) -> dict:
 
 def profile_arm(model: str, drafter: str | None, batch: int, max_tokens: int, prompts: list[str],
                 name: str, attn_backend: str = "FLASHINFER", graphs: bool = True,
-                kv_max_tokens: int = 262144, compile_regions: bool = False, waves: int = 1) -> dict:
+                kv_max_tokens: int = 262144, compile_regions: bool = False, waves: int = 1,
+                spec_extra: dict | None = None) -> dict:
     from tensorrt_llm import LLM, SamplingParams
     kw = dict(attn_backend=attn_backend, use_cuda_graph=graphs, max_batch_size=batch,
               kv_cache_config={"max_tokens": kv_max_tokens})
     if compile_regions:
         kw["torch_compile_config"] = {"enable_inductor": True}
     if drafter:
-        kw["speculative_config"] = {"decoding_type": "DSpark", "speculative_model": drafter}
+        kw["speculative_config"] = {"decoding_type": "DSpark", "speculative_model": drafter, **(spec_extra or {})}
     llm = LLM(model, **kw)
     ex = llm._executor
     chat = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts[:batch]]
@@ -213,6 +218,8 @@ def main() -> None:
     ap.add_argument("--prompts", required=True, help="prepare_carry.sh's mtbench_prompts.json, or an "
                     "eval_acceptance --export-prompts JSON (mtbench is used)")
     ap.add_argument("--drafter", action="append", default=[], help="NAME=DIR (repeatable)")
+    ap.add_argument("--spec-extra", action="append", default=[], help="NAME=JSON: keys merged into that drafter "
+                    "arm's speculative_config, e.g. gqa4='{\"draft_len_schedule\": {\"16\": 8, \"64\": 4}}'")
     ap.add_argument("--batch", type=int, nargs="+", default=[64])
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--no-nospec", action="store_true", help="skip the no-spec arm")
@@ -231,11 +238,12 @@ def main() -> None:
     # prepare_carry.sh's mtbench_prompts.json ({"prompts": [...]}) or eval_acceptance's export
     prompts = doc["prompts"] if "prompts" in doc else [p["text"] for p in doc["mtbench"]]
     arms = ([] if a.no_nospec else [("nospec", None)]) + [tuple(d.split("=", 1)) for d in a.drafter]
+    extra = {name: json.loads(js) for name, js in (e.split("=", 1) for e in a.spec_extra)}
     rows = []
     for b in a.batch:
         for name, path in arms:
             r = profile_arm(a.model, path, b, a.max_tokens, prompts, name, a.attn_backend, not a.no_graphs,
-                            a.kv_max_tokens, a.compile, a.waves)
+                            a.kv_max_tokens, a.compile, a.waves, extra.get(name))
             rows.append(r)
             ph = r["phase_ms_per_step"]
             print(f"{name:7s} B={b:3d} {r['tok_per_s']:8.0f} tok/s  {r['ms_per_step']:6.2f} ms/step "

@@ -189,16 +189,18 @@ class CUDAGraphRunner:
         q = len(segments[0].token_ids)
         if q not in self.token_counts:
             return None
-        rids, starts, shifted = [], [], False
+        rids, starts, shifts = [], [], []
         for s in segments:     # one pass over the step's segments
             if len(s.token_ids) != q or s.num_logits != q:
                 return None
             rids.append(s.request_id)
             starts.append(s.start)
-            shifted = shifted or s.start_shift is not None
-        rows, starts = self.kv.rows(rids), np.array(starts, dtype=np.int64)
+            shifts.append(s.start_shift is not None)
+        rows, starts, shifts = self.kv.rows(rids), np.array(starts, dtype=np.int64), np.array(shifts, dtype=bool)
+        shifted = bool(shifts.any())
         # a continued segment starts up to the widest q positions later: all of those slots must be owned
-        if not self.kv.owns_span(rows, starts, (max(self.token_counts) if shifted else 0) + q + extra).all():
+        # (its own span only: a segment read on the host starts where the host says)
+        if not self.kv.owns_span(rows, starts, shifts * max(self.token_counts) + q + extra).all():
             return None
         bucket = self._bucket(len(segments)) if self.graphs.capture else len(segments)
         return StepPlan(bucket, q, self.kv.owned_slots(rows, starts, q), rows, starts, shifted)
