@@ -88,13 +88,16 @@ def _gpu_ms_per_step(llm, prompts, params) -> dict:
                                   for t, k, c in sorted(api, reverse=True)[:12]]}
 
 
-def _cprofile_top(prof: cProfile.Profile, steps: int, n: int = 30) -> list[dict]:
-    """The n functions with the most own time: calls and own / cumulative ms per executor step."""
-    st = pstats.Stats(prof)
-    top = sorted(st.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:n]
+def _cprofile_top(st: pstats.Stats, steps: int, n: int = 30) -> list[dict]:
+    """The n functions with the most own time, then the n with the most cumulative time (those not
+    listed already): calls and own / cumulative ms per executor step."""
+    items = st.stats.items()
+    own = sorted(items, key=lambda kv: kv[1][2], reverse=True)[:n]
+    seen = {k for k, _ in own}
+    cum = [kv for kv in sorted(items, key=lambda kv: kv[1][3], reverse=True) if kv[0] not in seen][:n]
     return [{"function": f"{Path(f).name}:{line}({fn})", "calls_per_step": nc / steps,
              "own_ms_per_step": 1000 * tt / steps, "cum_ms_per_step": 1000 * ct / steps}
-            for (f, line, fn), (_cc, nc, tt, ct, _callers) in top]
+            for (f, line, fn), (_cc, nc, tt, ct, _callers) in own + cum]
 
 
 def _split_by_step_kind(ex, timers: dict, by_kind: dict) -> None:
@@ -130,14 +133,16 @@ def _phases(timers: dict, n: int) -> dict:
 def profile_arm(model: str, drafter: str | None, batch: int, max_tokens: int, prompts: list[str],
                 name: str, attn_backend: str = "FLASHINFER", graphs: bool = True,
                 kv_max_tokens: int = 262144, compile_regions: bool = False, waves: int = 1,
-                spec_extra: dict | None = None) -> dict:
+                arm_extra: dict | None = None) -> dict:
     from tensorrt_llm import LLM, SamplingParams
     kw = dict(attn_backend=attn_backend, use_cuda_graph=graphs, max_batch_size=batch,
               kv_cache_config={"max_tokens": kv_max_tokens})
     if compile_regions:
         kw["torch_compile_config"] = {"enable_inductor": True}
     if drafter:
-        kw["speculative_config"] = {"decoding_type": "DSpark", "speculative_model": drafter, **(spec_extra or {})}
+        kw["speculative_config"] = {"decoding_type": "DSpark", "speculative_model": drafter}
+    for key, value in (arm_extra or {}).items():      # speculative_config keys merge into the drafter's
+        kw[key] = {**kw[key], **value} if key == "speculative_config" else value
     llm = LLM(model, **kw)
     ex = llm._executor
     chat = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts[:batch]]
@@ -190,21 +195,26 @@ def profile_arm(model: str, drafter: str | None, batch: int, max_tokens: int, pr
         res["draft_graph_launches"] = g.num_launches if g else None
     # 2. GPU time per step (over another generate of the same requests)
     res.update(_gpu_ms_per_step(llm, chat, params))
-    # 3. cProfile of the executor thread
-    prof = cProfile.Profile()
-    step = ex.step
+    # 3. cProfile of the executor thread, by step kind (a step with a prompt chunk, or another)
+    step, kinds = ex.step, {}     # kind -> [pstats.Stats, steps]
 
     def profiled_step():
+        prof, p0 = cProfile.Profile(), ex.prompt_steps
         prof.enable()
         try:
             step()
         finally:
             prof.disable()
+            kind = kinds.setdefault("prompt" if ex.prompt_steps != p0 else "other", [None, 0])
+            if kind[0] is None:
+                kind[0] = pstats.Stats(prof)
+            else:
+                kind[0].add(prof)
+            kind[1] += 1
     ex.step = profiled_step
-    it1 = ex.iterations
     llm.generate(chat, params)
     ex.step = step
-    res["cprofile_top"] = _cprofile_top(prof, max(ex.iterations - it1, 1))
+    res["cprofile_top"] = {k: {"steps": n, "top": _cprofile_top(st, n)} for k, (st, n) in kinds.items()}
     llm.shutdown()
     del llm, ex
     gc.collect()
@@ -218,8 +228,9 @@ def main() -> None:
     ap.add_argument("--prompts", required=True, help="prepare_carry.sh's mtbench_prompts.json, or an "
                     "eval_acceptance --export-prompts JSON (mtbench is used)")
     ap.add_argument("--drafter", action="append", default=[], help="NAME=DIR (repeatable)")
-    ap.add_argument("--spec-extra", action="append", default=[], help="NAME=JSON: keys merged into that drafter "
-                    "arm's speculative_config, e.g. gqa4='{\"draft_len_schedule\": {\"16\": 8, \"64\": 4}}'")
+    ap.add_argument("--arm-extra", action="append", default=[], help="NAME=JSON: LLM arguments of that arm "
+                    "(speculative_config merges into the drafter's), e.g. gqa=DIR and gqa_wait="
+                    "'{\"batch_wait_timeout_iters\": 4}' with --drafter gqa_wait=DIR")
     ap.add_argument("--batch", type=int, nargs="+", default=[64])
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--no-nospec", action="store_true", help="skip the no-spec arm")
@@ -238,7 +249,7 @@ def main() -> None:
     # prepare_carry.sh's mtbench_prompts.json ({"prompts": [...]}) or eval_acceptance's export
     prompts = doc["prompts"] if "prompts" in doc else [p["text"] for p in doc["mtbench"]]
     arms = ([] if a.no_nospec else [("nospec", None)]) + [tuple(d.split("=", 1)) for d in a.drafter]
-    extra = {name: json.loads(js) for name, js in (e.split("=", 1) for e in a.spec_extra)}
+    extra = {name: json.loads(js) for name, js in (e.split("=", 1) for e in a.arm_extra)}
     rows = []
     for b in a.batch:
         for name, path in arms:
