@@ -128,9 +128,10 @@ class DSparkForCausalLMBase(nn.Module, ABC):
         """One layer's attention module (forward(x, positions, kv_cache, md, backend))."""
 
     @abstractmethod
-    def _context_planes(self, layer: DSparkDecoderLayer, features: torch.Tensor,
-                        positions: torch.Tensor) -> list[torch.Tensor]:
-        """features [N, H] -> one [N, heads, head_dim] tensor per pool plane of `layer`."""
+    def _context_planes(self, layer: DSparkDecoderLayer, features: torch.Tensor, positions: torch.Tensor,
+                        r: Optional[DrafterRegions]) -> list[torch.Tensor]:
+        """features [N, H] -> one [N, heads, head_dim] tensor per pool plane of `layer` (through the
+        regions r, or its modules when r is None)."""
 
     @abstractmethod
     def kv_cache_layout(self) -> DraftKVLayout:
@@ -209,33 +210,35 @@ class DSparkForCausalLMBase(nn.Module, ABC):
         return self._target_refs
 
     # ---- executor API -------------------------------------------------------------------
-    def context_features(self, target_hidden: torch.Tensor) -> torch.Tensor:
-        """target_hidden [N, n * H_target] (captured layers concatenated) -> features [N, H]."""
+    def context_features(self, target_hidden: torch.Tensor, compiled: bool = True) -> torch.Tensor:
+        """target_hidden [N, n * H_target] (captured layers concatenated) -> features [N, H].
+        compiled=False: the eager regions where compiled ones are set (`_regions`)."""
         if target_hidden.shape[-1] != self.config.fc_in_features:
             raise ValueError(f"target hidden width {target_hidden.shape[-1]} != "
                              f"{len(self.config.target_layer_ids)} x {self.config.num_target_hidden}")
-        n = self.hidden_norm
-        if self.regions is not None and isinstance(self.fc, nn.Linear):
-            return self.regions.features(target_hidden, self.fc.weight, n.weight, n.eps)
+        n, r = self.hidden_norm, _regions(self.regions, compiled)
+        if r is not None and isinstance(self.fc, nn.Linear):
+            return r.features(target_hidden, self.fc.weight, n.weight, n.eps)
         return self.hidden_norm(self.fc(target_hidden.to(self.hidden_norm.weight.dtype)))
 
     def write_context(self, features: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                       kv_caches: Sequence[torch.Tensor], backend: AttentionBackend,
-                      slots_valid: bool = False) -> None:
+                      slots_valid: bool = False, compiled: bool = True) -> None:
         """Write every layer's context K/V (or latent) for committed tokens into the draft pool.
 
         features [N, H]; positions [N] absolute; slot_mapping [N] int64 (-1 skipped);
         kv_caches: one [num_pages, planes, heads, P, D] tensor per layer. The pool layout
         is the interface's, shared by every backend, so `backend` is not consulted.
         slots_valid: every slot is >= 0 (no host sync: the CUDA-graph draft step). K and V that are
-        one buffer's halves (the regions') go in with one write.
+        one buffer's halves (the regions') go in with one write. compiled=False: the eager regions
+        where compiled ones are set (`_regions`).
         """
         self._check_caches(kv_caches)
 
         def write(cache: torch.Tensor, plane: int, values: torch.Tensor) -> None:
             write_slots(cache[:, plane], values, slot_mapping, all_valid=slots_valid)
         for layer, cache in zip(self.layers, kv_caches):
-            planes = self._context_planes(layer, features, positions)
+            planes = self._context_planes(layer, features, positions, _regions(layer.regions, compiled))
             if len(planes) == 2:
                 write_kv(cache, *planes, write)
             else:
@@ -411,9 +414,9 @@ class GQADSparkForCausalLM(DSparkForCausalLMBase):
         return Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                          self.rotary, bias=cfg.attention_bias, qk_norm=True, rms_norm_eps=cfg.rms_norm_eps)
 
-    def _context_planes(self, layer: DSparkDecoderLayer, features: torch.Tensor,
-                        positions: torch.Tensor) -> list[torch.Tensor]:
-        a, r = layer.self_attn, layer.regions
+    def _context_planes(self, layer: DSparkDecoderLayer, features: torch.Tensor, positions: torch.Tensor,
+                        r: Optional[DrafterRegions]) -> list[torch.Tensor]:
+        a = layer.self_attn
         if r is None:
             return list(a.project_kv(features, positions))      # [N, Hkv, D] each
         return list(r.gqa_project_kv(features, *a.kv_weights(), a.k_norm.weight, a.k_norm.eps, positions,
@@ -440,9 +443,9 @@ class MLADSparkForCausalLM(DSparkForCausalLMBase):
                             rms_norm_eps=cfg.rms_norm_eps, rope_scaling=cfg.rope_scaling,
                             absorb=self._absorb)
 
-    def _context_planes(self, layer: DSparkDecoderLayer, features: torch.Tensor,
-                        positions: torch.Tensor) -> list[torch.Tensor]:
-        a, r = layer.self_attn, layer.regions
+    def _context_planes(self, layer: DSparkDecoderLayer, features: torch.Tensor, positions: torch.Tensor,
+                        r: Optional[DrafterRegions]) -> list[torch.Tensor]:
+        a = layer.self_attn
         if r is None:
             latent = a.project_latent(features, positions)
         else:
@@ -453,6 +456,17 @@ class MLADSparkForCausalLM(DSparkForCausalLMBase):
     def kv_cache_layout(self) -> DraftKVLayout:
         c = self.config
         return DraftKVLayout("mla", c.num_hidden_layers, 1, 1, c.kv_lora_rank + c.qk_rope_head_dim)
+
+
+def _regions(regions: Optional[DrafterRegions], compiled: bool) -> Optional[DrafterRegions]:
+    """The regions a call runs: the set ones, or their eager functions for a call that asks for them
+    (compiled=False). A context write outside any CUDA graph with a new token count per call (a
+    prompt's) spent ~0.38 ms of host time per compiled region call on the H200 (`spec_profile`'s
+    cProfile of prompt steps: 2.2 of their 3.4 ms of draft-context writing), for kernels that are a
+    few microseconds either way."""
+    if regions is None or compiled or not regions.compiled:
+        return regions
+    return DrafterRegions.eager()
 
 
 DRAFTER_REGISTRY: dict[str, type[DSparkForCausalLMBase]] = {

@@ -19,6 +19,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from ...llmapi.llm_args import DSparkDecodingConfig
@@ -296,10 +297,12 @@ class DSparkWorker(Drafter):
             pos.extend(range(c.start, c.start + c.count))
             slots.extend(s)
         if rows:
-            # host ints go over pinned copies and the slots' validity is known here: no device sync
-            feats = self.drafter.context_features(captured[host_ints(rows, captured.device)])
-            self.drafter.write_context(feats, host_ints(pos, self.device), host_ints(slots, self.device),
-                                       self.kv_caches, self.backend, slots_valid=-1 not in slots)
+            # one pinned copy of rows | positions | slots, whose validity is known here: no device sync.
+            # Outside any graph, with a token count new each call: the eager regions (`_regions`)
+            idx = host_ints(np.array([rows, pos, slots], dtype=np.int64), self.device)
+            feats = self.drafter.context_features(captured[idx[0]], compiled=False)
+            self.drafter.write_context(feats, idx[1], idx[2], self.kv_caches, self.backend,
+                                       slots_valid=-1 not in slots, compiled=False)
 
     def _launch_from_last(self, commits: Sequence[StepCommit], captured: torch.Tensor) -> list[LlmRequest]:
         """Draft the greedy requests among `commits` with the device draft step, as a one-row verify

@@ -19,6 +19,7 @@ first divergence that is a near tie of the eager logits (within 5% of a std).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import pytest
@@ -164,7 +165,8 @@ def test_eager_regions_are_the_module_path(kind, variant):
     rows, pool, hidden = _draft_step(d, VanillaAttention())
     if kind == "gqa":                                    # K and V one buffer's halves: one cache write for both
         with torch.inference_mode():
-            assert joint_kv(*d._context_planes(d.layers[0], torch.randn(3, HIDDEN), torch.arange(3))) is not None
+            planes = d._context_planes(d.layers[0], torch.randn(3, HIDDEN), torch.arange(3), d.regions)
+            assert joint_kv(*planes) is not None
     _module_path(d)
     want_rows, want_pool, want_hidden = _draft_step(d, VanillaAttention())
     assert torch.equal(rows, want_rows) and torch.equal(pool, want_pool) and torch.equal(hidden, want_hidden)
@@ -248,6 +250,34 @@ def test_regions_need_fused_projections():
         d.use_regions(DrafterRegions.inductor())
     assert d.regions is None and all(layer.regions is None for layer in d.layers)   # nothing half-applied
     assert d.regions_summary() == "modules"
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_context_write_outside_graphs_can_take_the_eager_regions(kind):
+    """compiled=False (the worker's prompt-context write, outside any graph) runs the eager regions
+    where compiled ones are set: bitwise the eager drafter's write, and the compiled functions are not
+    called (here they raise). Control: compiled=True calls them."""
+    def boom(*_a, **_k):
+        raise RuntimeError("compiled region called")
+
+    d = _drafter(kind, CPU, torch.float32)
+    spec = draft_kv_cache_spec(d, torch.float32)
+    hidden = torch.randn(7, d.config.fc_in_features, generator=torch.Generator().manual_seed(4))
+    pos, slots = torch.arange(2, 9), torch.tensor([3, 4, 5, 20, 21, 22, 40])
+
+    def write(compiled: bool) -> list[torch.Tensor]:
+        caches = [torch.zeros(spec.layer_shape(4, P)) for _ in range(spec.num_layers)]
+        with torch.inference_mode():
+            feats = d.context_features(hidden, compiled=compiled)
+            d.write_context(feats, pos, slots, caches, VanillaAttention(), slots_valid=True, compiled=compiled)
+        return caches
+    want = write(True)                                  # the eager regions, as loaded
+    assert all(bool((c != 0).any()) for c in want)
+    d.use_regions(dataclasses.replace(DrafterRegions.eager(), features=boom, gqa_project_kv=boom, mla_latent=boom,
+                                      compiled=True))
+    assert all(torch.equal(a, b) for a, b in zip(write(False), want))
+    with pytest.raises(RuntimeError, match="compiled region called"):
+        write(True)
 
 
 @pytest.mark.gpu
