@@ -160,7 +160,8 @@ class LLM:
         req = LlmRequest(rid, ids, params, end_ids=frozenset(end_ids), context_only=context_only,
                          prefilled=prefilled)
         handle = GenerationResult(rid, text, ids, self.tokenizer.decode, params.stop_strings,
-                                  params.include_stop_str_in_output, streaming, abort=self.abort)
+                                  params.include_stop_str_in_output, streaming, abort=self.abort,
+                                  stream_interval=self.args.stream_interval)
         return req, handle
 
     def _submit(self, made: list) -> None:

@@ -170,6 +170,14 @@ class TorchLlmArgs(StrictBaseModel):
         "min(this, queued, max_batch_size) batch slots are free, so they start together in one "
         "prefill step instead of one mixed step each (offline batches larger than max_batch_size). "
         "Never waits when nothing is generating. 1 admits as soon as a slot frees.")
+    stream_interval: int = Field(
+        default=1, ge=1,
+        description="Streaming: a streamed request's snapshot (and so a server's SSE chunk) is made at its "
+        "first token, then every this many executor steps that gave it tokens, and when it finishes; "
+        "the tokens in between arrive with the next snapshot. Larger values cut the per-step "
+        "streaming work (detokenizing, hand-offs to the event loop, one SSE event per request per "
+        "step) at high concurrency without delaying the first token. 1 streams every step. "
+        "Non-streaming outputs are unaffected.")
 
     @model_validator(mode="after")
     def _check(self) -> "TorchLlmArgs":

@@ -40,8 +40,12 @@ class GenerationResult:
     def __init__(self, request_id: int, prompt: Optional[str], prompt_token_ids: list[int],
                  decode: Callable[[Sequence[int]], str], stop_strings: Sequence[str],
                  include_stop_str: bool, streaming: bool,
-                 abort: Optional[Callable[[int], None]] = None):
+                 abort: Optional[Callable[[int], None]] = None, stream_interval: int = 1):
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self._abort = abort              # the engine's abort-by-request-id
+        self._stream_interval = stream_interval
+        self._updates = 0                # steps that gave this request tokens (streaming)
         self._out = RequestOutput(request_id, prompt, list(prompt_token_ids), [CompletionOutput(0)])
         self._decode = decode
         self._stops = list(stop_strings)
@@ -69,6 +73,10 @@ class GenerationResult:
         streaming = self._stream is not None and (new_tokens or finished)
         if not (streaming or finished):
             return
+        if not finished:   # the first step's snapshot, then one every stream_interval steps, and the last
+            self._updates += 1
+            if (self._updates - 1) % self._stream_interval:
+                return
         c = self._out.outputs[0]
         c.token_ids = list(req.output_token_ids)    # a new list each time: snapshots may share it
         if not finished:

@@ -173,6 +173,29 @@ def test_streaming_yields_incremental_outputs_equal_to_blocking(tiny_llama_dir, 
     assert chunks[-1].outputs[0].finish_reason == "length"
 
 
+@pytest.mark.parametrize("interval", [3, 100])
+def test_stream_interval_makes_a_snapshot_every_n_steps(tiny_llama_dir, make_llm, bounded, interval):
+    """stream_interval N (TensorRT-LLM's): a streamed snapshot at the first token, then every N steps
+    with tokens (one token per step here), and the last one when the request finishes; the streamed
+    tokens and text equal the blocking call's. Control: interval 1 streams every step."""
+    params = SamplingParams(max_tokens=11, ignore_eos=True)
+    every = make_llm(tiny_llama_dir)
+    ref = every.generate("once upon a time", params)
+    per_step = bounded(lambda: list(every.generate_async("once upon a time", params, streaming=True)))
+    assert [len(c.outputs[0].token_ids) for c in per_step] == list(range(1, 12))
+    llm = make_llm(tiny_llama_dir, stream_interval=interval)
+    chunks = bounded(lambda: list(llm.generate_async("once upon a time", params, streaming=True)))
+    assert [len(c.outputs[0].token_ids) for c in chunks] == [*range(1, 11, interval), 11]
+    assert chunks[-1].finished and not any(c.finished for c in chunks[:-1])
+    assert chunks[-1].outputs[0].token_ids == ref.outputs[0].token_ids
+    assert chunks[-1].outputs[0].text == ref.outputs[0].text
+    for a, b in zip(chunks, chunks[1:]):
+        assert b.outputs[0].token_ids[:len(a.outputs[0].token_ids)] == a.outputs[0].token_ids
+    assert llm.generate("once upon a time", params).outputs[0].token_ids == ref.outputs[0].token_ids
+    with pytest.raises(ValueError, match="stream_interval"):
+        make_llm(tiny_llama_dir, stream_interval=0)
+
+
 def test_async_iteration_under_asyncio_run(tiny_llama_dir, make_llm, bounded):
     llm = make_llm(tiny_llama_dir)
     params = SamplingParams(max_tokens=10, ignore_eos=True)

@@ -80,6 +80,24 @@ def test_streaming_equals_offline_and_ends_with_usage(tiny_server, tiny_offline,
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_stream_interval_from_the_yaml_sends_fewer_chunks(tiny_llama_dir, tiny_offline, tmp_path):
+    """`stream_interval: 4` in the server's YAML: a streamed completion of 30 tokens (one per step)
+    arrives in 9 chunks with text (the first token at once, then 4 tokens each, the last 1) with the
+    offline tokens and text; the server at the default streams one chunk per token (the test above)."""
+    from server_proc import TINY_ARGS, start_server, stop_server
+    server = start_server(tiny_llama_dir, {**TINY_ARGS, "stream_interval": 4}, tmp_path)
+    try:
+        c = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+        want = offline(tiny_offline, PROMPTS[0], 30)
+        chunks = [ch for ch in c.completions.create(model=server.model, prompt=PROMPTS[0], max_tokens=30,
+                                                    temperature=0, stream=True, extra_body=EXTRA) if ch.choices]
+        assert [len(ch.choices[0].token_ids) for ch in chunks] == [1] + [4] * 7 + [1]
+        assert [t for ch in chunks for t in ch.choices[0].token_ids] == want.token_ids
+        assert "".join(ch.choices[0].text for ch in chunks) == want.text
+    finally:
+        stop_server(server)
+
+
 def test_stop_strings_and_seeded_sampling(tiny_server, tiny_offline, client):
     prompt = PROMPTS[0]
     full = offline(tiny_offline, prompt, 40).text
