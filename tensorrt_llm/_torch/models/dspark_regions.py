@@ -8,7 +8,8 @@ The drafter's device step (`DraftGraphRunner.draft_rows`) is, per region::
     gqa_attention_inputs: input_layernorm -> q|k|v GEMM -> q_norm, k_norm -> RoPE  (forward_block, per layer)
     mla_attention_inputs: input_layernorm -> q (q_a, norm, q_b) | latent -> RoPE -> q_nope W_UK
     output          : o_proj + residual -> norm -> gate|up SwiGLU -> down + residual (the target's region)
-    greedy_drafts   : lm_head GEMM -> per draft: + Markov bias of the previous pick -> argmax (propose_greedy)
+    greedy_drafts   : lm_head GEMM -> per draft: + Markov bias of the previous pick -> argmax (propose_greedy;
+                      on CUDA the compiled regions run it as Triton launches: `dspark_markov_kernel`)
     draft_addressing: the step's integer work: committed count and anchor per row, context and block
                       positions and slots from the block tables, the block's ids (draft_rows' head)
 
@@ -155,6 +156,7 @@ class DrafterRegions:
     greedy_drafts: Callable[..., torch.Tensor]
     draft_addressing: Callable[..., tuple[torch.Tensor, ...]]
     compiled: bool
+    triton_chain: bool = False     # greedy_drafts is `dspark_markov_kernel.greedy_drafts_triton`
 
     @staticmethod
     def eager() -> "DrafterRegions":
@@ -162,16 +164,23 @@ class DrafterRegions:
                               layer_output, greedy_drafts, draft_addressing, compiled=False)
 
     @staticmethod
-    def inductor() -> "DrafterRegions":
+    def inductor(triton_chain: bool = False) -> "DrafterRegions":
         """Every region compiled by inductor (dynamic token count), once per process; the layer
-        output is the target's compiled region (`LayerRegions.inductor`)."""
-        return _inductor_regions()
+        output is the target's compiled region (`LayerRegions.inductor`). triton_chain (CUDA): the
+        greedy drafts' Markov chain runs as n + 1 Triton launches (`dspark_markov_kernel`) instead
+        of three compiled kernels per draft."""
+        return _inductor_regions(triton_chain)
 
 
 @functools.cache
-def _inductor_regions() -> DrafterRegions:
+def _inductor_regions(triton_chain: bool) -> DrafterRegions:
     from ..modules.inductor_passes import compile_region
     c = compile_region
+    if triton_chain:
+        from .dspark_markov_kernel import greedy_drafts_triton
+        drafts = greedy_drafts_triton
+    else:
+        drafts = c(greedy_drafts)
     return DrafterRegions(c(features), c(gqa_project_kv), c(gqa_attention_inputs), c(mla_latent),
-                          c(mla_attention_inputs), LayerRegions.inductor().output, c(greedy_drafts),
-                          c(draft_addressing), compiled=True)
+                          c(mla_attention_inputs), LayerRegions.inductor().output, drafts,
+                          c(draft_addressing), compiled=True, triton_chain=triton_chain)

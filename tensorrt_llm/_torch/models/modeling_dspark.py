@@ -186,11 +186,14 @@ class DSparkForCausalLMBase(nn.Module, ABC):
             layer.regions = None if quantized else regions
 
     def regions_summary(self) -> str:
-        """What the drafter runs: "inductor" | "eager" (every region), "modules" (no regions), or the
+        """What the drafter runs: "inductor" | "eager" (every region; "inductor (Markov chain: Triton)" on
+        CUDA: `DrafterRegions.inductor(triton_chain=True)`), "modules" (no regions), or the
         regions' kind with the parts that keep their modules."""
         if self.regions is None:
             return "modules"
         kind = "inductor" if self.regions.compiled else "eager"
+        if self.regions.triton_chain:
+            kind += " (Markov chain: Triton)"
         if self.config.quant_config is not None:
             return f"{kind} (propose only: fc and the layers run their FP8 block-scaled modules)"
         return kind

@@ -71,7 +71,7 @@ def create_py_executor(args: TorchLlmArgs, tokenizer: TokenizerWrapper) -> Execu
         drafter = create_dspark_worker(args.speculative_config, model, dtype, device)
         if tcc is not None and tcc.enable_inductor:
             from ..models.dspark_regions import DrafterRegions
-            drafter.drafter.use_regions(DrafterRegions.inductor())
+            drafter.drafter.use_regions(DrafterRegions.inductor(triton_chain=device.type == "cuda"))
         specs.append(drafter.kv_cache_spec)
         salt += f"|draft:{drafter.identity}"
     p = kvc.tokens_per_block

@@ -1,0 +1,122 @@
+"""The greedy drafts' Markov chain in n + 1 Triton launches (CUDA; Triton's interpreter on a CPU test).
+
+Draft j of a request is the argmax over the vocabulary of its slot's LM-head logits plus the Markov
+bias of draft j-1 (the anchor for j = 0), bias = w2 @ w1[prev] (`MarkovHead`, rank r). Done with
+torch ops, each draft is three kernels (the embedding row, a [R, r] x [r, V] GEMM, a fused add +
+argmax that a small batch runs on one block per row): ~13.5 us per draft on an H200 at batch 1.
+
+Here launch j (grid: row blocks x vocabulary tiles) first finishes draft j-1: every program reduces
+the per-tile maxima that launch j-1 left (lowest index among equal maxima, as `torch.argmax`) to
+the previous pick, and tile 0 stores it. Then each program adds the bias of its vocabulary tile
+(a [rows, r] x [r, tile] dot, rounded to the weights' dtype as the torch GEMM's output is) to the
+logits tile and leaves that tile's maximum and its index. A last launch reduces the final draft.
+The partials alternate between two buffers, so launch j reads what launch j-1 wrote.
+
+`markov_greedy_chain` is the reference-checked entry point: the ids equal `dspark_regions.
+greedy_drafts` (torch ops) wherever a row's top two biased logits differ by more than rounding
+(`tests/unittest/_torch/models/test_dspark_markov_kernel.py`).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+BLOCK_R = 16          # rows per program (tl.dot's smallest M)
+BLOCK_V = 512         # vocabulary entries per program
+NO_INDEX = 2 ** 31 - 1
+
+
+@triton.jit
+def _markov_draft_kernel(logits_ptr, stride_lr, stride_lj, anchors_ptr, w1_ptr, stride_w1, w2_ptr, stride_w2,
+                         pval_ptr, pidx_ptr, ids_ptr, stride_ir, R, V, NT, j, rank,
+                         HAS_MARKOV: tl.constexpr, FIRST: tl.constexpr, SCAN: tl.constexpr,
+                         RANK_P: tl.constexpr, BLOCK_R: tl.constexpr,
+                         BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    tile = tl.program_id(1)
+    if FIRST:
+        prev = tl.load(anchors_ptr + rows, mask=rmask, other=0)
+    else:
+        ts = tl.arange(0, BLOCK_T)
+        src = ((j - 1) % 2) * R * NT + rows[:, None] * NT + ts[None, :]
+        pm = rmask[:, None] & (ts[None, :] < NT)
+        pv = tl.load(pval_ptr + src, mask=pm, other=float("-inf"))
+        pi = tl.load(pidx_ptr + src, mask=pm, other=NO_INDEX)
+        best = tl.max(pv, axis=1)
+        prev = tl.min(tl.where(pv == best[:, None], pi, NO_INDEX), axis=1)
+        if tile == 0:
+            tl.store(ids_ptr + rows * stride_ir + (j - 1), prev.to(tl.int64), mask=rmask)
+    if SCAN:
+        cols = tile * BLOCK_V + tl.arange(0, BLOCK_V)
+        cmask = cols < V
+        lmask = rmask[:, None] & cmask[None, :]
+        lptr = logits_ptr + rows[:, None].to(tl.int64) * stride_lr + j * stride_lj + cols[None, :]
+        lj = tl.load(lptr, mask=lmask, other=float("-inf")).to(tl.float32)
+        if HAS_MARKOV:
+            ks = tl.arange(0, RANK_P)
+            kmask = ks < rank
+            e = tl.load(w1_ptr + prev[:, None].to(tl.int64) * stride_w1 + ks[None, :],
+                        mask=rmask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(w2_ptr + cols[:, None].to(tl.int64) * stride_w2 + ks[None, :],
+                        mask=cmask[:, None] & kmask[None, :], other=0.0)
+            # fp32 products of the weights' values (exact for bf16 / fp16), accumulated in fp32
+            bias = tl.dot(e.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            lj = lj + bias.to(w2_ptr.dtype.element_ty).to(tl.float32)
+        best, arg = tl.max(lj, axis=1, return_indices=True, return_indices_tie_break_left=True)
+        dst = (j % 2) * R * NT + rows * NT + tile
+        tl.store(pval_ptr + dst, best, mask=rmask)
+        tl.store(pidx_ptr + dst, arg + tile * BLOCK_V, mask=rmask)
+
+
+def markov_greedy_chain(logits: torch.Tensor, anchor_ids: torch.Tensor, w1: Optional[torch.Tensor],
+                        w2: Optional[torch.Tensor]) -> torch.Tensor:
+    """logits [R, n, V] (any float dtype; last dim contiguous), anchor_ids [R] int64, Markov weights
+    w1 [V, r] / w2 [V, r] (both None without a Markov head) -> draft ids [R, n] int64 (module doc)."""
+    if logits.dim() != 3 or logits.stride(-1) != 1:
+        raise ValueError(f"logits must be [R, n, V] with a contiguous last dim, got {tuple(logits.shape)} "
+                         f"strides {logits.stride()}")
+    r, n, v = logits.shape
+    if anchor_ids.shape != (r,):
+        raise ValueError(f"anchor_ids must be [{r}], got {tuple(anchor_ids.shape)}")
+    if (w1 is None) != (w2 is None):
+        raise ValueError("the Markov weights w1 and w2 come together (both None without a Markov head)")
+    if w1 is not None and (w1.dim() != 2 or w1.shape != w2.shape or w1.shape[0] != v or w1.stride(-1) != 1
+                           or w2.stride(-1) != 1 or w1.dtype != w2.dtype):
+        raise ValueError(f"Markov weights must both be [{v}, r] of one dtype with a contiguous last dim, got "
+                         f"{tuple(w1.shape)} {w1.dtype} and {tuple(w2.shape)} {w2.dtype}")
+    ids = torch.empty(r, n, dtype=torch.int64, device=logits.device)
+    if r == 0 or n == 0:
+        return ids
+    nt = triton.cdiv(v, BLOCK_V)
+    pval = torch.empty(2, r, nt, dtype=torch.float32, device=logits.device)
+    pidx = torch.empty(2, r, nt, dtype=torch.int32, device=logits.device)
+    markov = w1 is not None
+    rank = w1.shape[1] if markov else 0
+    wa, wb = (w1, w2) if markov else (logits, logits)
+    common = dict(HAS_MARKOV=markov, RANK_P=max(16, triton.next_power_of_2(rank)),
+                  BLOCK_R=BLOCK_R, BLOCK_V=BLOCK_V, BLOCK_T=max(16, triton.next_power_of_2(nt)), num_warps=4)
+    rb = triton.cdiv(r, BLOCK_R)
+    anchors = anchor_ids.contiguous()
+    for j in range(n + 1):
+        scan = j < n
+        _markov_draft_kernel[(rb, nt if scan else 1)](
+            logits, logits.stride(0), logits.stride(1), anchors, wa, wa.stride(0), wb, wb.stride(0), pval, pidx,
+            ids, ids.stride(0), r, v, nt, j, rank, FIRST=j == 0, SCAN=scan, **common)
+    return ids
+
+
+def greedy_drafts_triton(hidden: torch.Tensor, anchor_ids: torch.Tensor, lm_w: torch.Tensor,
+                         lm_b: Optional[torch.Tensor], markov_w1: Optional[torch.Tensor],
+                         markov_w2: Optional[torch.Tensor], block_size: int, first: int,
+                         num_drafts: int) -> torch.Tensor:
+    """`dspark_regions.greedy_drafts` with the Markov chain in Triton: the LM-head GEMM (logits in the
+    weights' dtype, never widened to float32 in memory), then `markov_greedy_chain`."""
+    r = anchor_ids.shape[0]
+    h = hidden.reshape(r, block_size, -1)[:, first:first + num_drafts].reshape(r * num_drafts, -1)
+    logits = F.linear(h.to(lm_w.dtype), lm_w, lm_b).view(r, num_drafts, -1)
+    return markov_greedy_chain(logits, anchor_ids, markov_w1, markov_w2)
