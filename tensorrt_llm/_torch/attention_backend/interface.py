@@ -174,6 +174,38 @@ def write_slots(cache_plane: torch.Tensor, values: torch.Tensor, slot_mapping: t
     cache_plane[page, :, off] = vals
 
 
+def stacked_layers(caches: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Per-layer caches that are consecutive, equally spaced views of one pool tensor (the KV
+    manager's [L, pages, ...] allocation: `KVCacheManager.layer_caches`) -> that [L, pages, ...]
+    view; None otherwise (then each layer is written on its own)."""
+    first = caches[0] if caches else None
+    if first is None or any(c.shape != first.shape or c.stride() != first.stride() or c.dtype != first.dtype
+                            or c.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                            for c in caches):
+        return None
+    step = (caches[1].data_ptr() - first.data_ptr()) // first.element_size() if len(caches) > 1 else first.numel()
+    if step <= 0 or any(c.data_ptr() != first.data_ptr() + i * step * first.element_size()
+                        for i, c in enumerate(caches)):
+        return None
+    return first.as_strided((len(caches),) + tuple(first.shape), (step,) + tuple(first.stride()))
+
+
+def write_slots_layers(pool: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor,
+                       all_valid: bool = False) -> None:
+    """`write_slots` of every layer and plane at once: pool [L, num_pages, planes, H, P, D] (from
+    `stacked_layers`), values [T, L, planes, H, D], slot_mapping [T] (-1 skipped; all_valid as there)."""
+    if not all_valid:
+        keep = slot_mapping >= 0
+        if not bool(keep.all()):
+            values, slot_mapping = values[keep], slot_mapping[keep]
+    if slot_mapping.numel() == 0:
+        return
+    p = pool.shape[4]
+    page, off = slot_mapping // p, slot_mapping % p
+    pool, vals = writable(pool, values)
+    pool[:, page, :, :, off] = vals
+
+
 def joint_kv(k: torch.Tensor, v: torch.Tensor) -> Optional[torch.Tensor]:
     """k, v [T, H, D] -> a [T, 2H, D] view covering both when, token by token, v's heads follow k's
     directly in one allocation (the layer regions write them so: `compiled_regions.attention_inputs`);

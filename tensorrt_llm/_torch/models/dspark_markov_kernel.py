@@ -27,7 +27,7 @@ import triton.language as tl
 
 BLOCK_R = 16          # rows per program (tl.dot's smallest M)
 BLOCK_V = 512         # vocabulary entries per program
-NO_INDEX = 2 ** 31 - 1
+NO_INDEX = tl.constexpr(2 ** 31 - 1)   # a global a Triton kernel reads must be a constexpr
 
 
 @triton.jit

@@ -5,6 +5,8 @@ The drafter's device step (`DraftGraphRunner.draft_rows`) is, per region::
     features        : fc GEMM -> hidden_norm                                     (context_features)
     gqa_project_kv  : k|v GEMM -> k_norm -> RoPE of k                              (write_context, per layer)
     mla_latent      : kv_a GEMM -> kv_a_layernorm | RoPE of k_pe                    (write_context, per layer)
+    gqa_context_kv / mla_context_latents: the same for all layers at once, from stacked weights
+                      (write_context when the draft pool's layers are one tensor: one GEMM, one write)
     gqa_attention_inputs: input_layernorm -> q|k|v GEMM -> q_norm, k_norm -> RoPE  (forward_block, per layer)
     mla_attention_inputs: input_layernorm -> q (q_a, norm, q_b) | latent -> RoPE -> q_nope W_UK
     output          : o_proj + residual -> norm -> gate|up SwiGLU -> down + residual (the target's region)
@@ -59,6 +61,40 @@ def gqa_project_kv(x: torch.Tensor, kv_w: torch.Tensor, kv_b: Optional[torch.Ten
     k, v = F.linear(x, kv_w, kv_b).view(t, 2 * num_kv_heads, head_dim).split(num_kv_heads, dim=1)
     kv = torch.cat((_rope(rms_norm(k, k_norm_w, eps), positions, cos_t, sin_t, interleaved), v), dim=1)
     return kv[:, :num_kv_heads], kv[:, num_kv_heads:]
+
+
+def _rms_norm_per_layer(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, L, ..., d] normed over d with layer l's weight w[l] ([L, d]), float32 inside, x's dtype."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * w.float().view((1, w.shape[0]) + (1,) * (x.dim() - 3) + (w.shape[1],))).to(x.dtype)
+
+
+def gqa_context_kv(x: torch.Tensor, kv_w: torch.Tensor, kv_b: Optional[torch.Tensor], k_norm_w: torch.Tensor,
+                   eps: float, positions: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor, interleaved: bool,
+                   num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """`gqa_project_kv` of every layer at once: x [T, H] -> [T, L, 2 Hkv, D] (layer l: its roped,
+    k-normed k heads, then its v heads; the draft pool's plane order). kv_w [L * 2 Hkv D, H] the
+    layers' k|v rows stacked (kv_b likewise or None), k_norm_w [L, D]: one GEMM and one norm + RoPE
+    for all layers (`DSparkForCausalLMBase.write_context`)."""
+    t, layers = x.shape[0], k_norm_w.shape[0]
+    kv = F.linear(x, kv_w, kv_b).view(t, layers, 2 * num_kv_heads, head_dim)
+    k, v = kv.split(num_kv_heads, dim=2)
+    k = _rms_norm_per_layer(k, k_norm_w, eps).reshape(t, layers * num_kv_heads, head_dim)
+    k = _rope(k, positions, cos_t, sin_t, interleaved).view(t, layers, num_kv_heads, head_dim)
+    return torch.cat((k, v), dim=2)
+
+
+def mla_context_latents(x: torch.Tensor, kv_a_w: torch.Tensor, kv_norm_w: torch.Tensor, eps: float,
+                        positions: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor, interleaved: bool,
+                        kv_lora_rank: int) -> torch.Tensor:
+    """`mla_latent` of every layer at once: x [T, H] -> [T, L, R + rope]; kv_a_w [L (R + rope), H] the
+    layers' kv_a rows stacked, kv_norm_w [L, R]."""
+    t, layers = x.shape[0], kv_norm_w.shape[0]
+    lat = F.linear(x, kv_a_w).view(t, layers, -1)
+    ckv, k_pe = lat.split([kv_lora_rank, lat.shape[-1] - kv_lora_rank], dim=-1)
+    return torch.cat((_rms_norm_per_layer(ckv, kv_norm_w, eps), _rope(k_pe, positions, cos_t, sin_t, interleaved)),
+                     dim=-1)
 
 
 def gqa_attention_inputs(h: torch.Tensor, norm_w: torch.Tensor, qkv_w: torch.Tensor, qkv_b: Optional[torch.Tensor],
@@ -149,6 +185,8 @@ class DrafterRegions:
 
     features: Callable[..., torch.Tensor]
     gqa_project_kv: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    gqa_context_kv: Callable[..., torch.Tensor]
+    mla_context_latents: Callable[..., torch.Tensor]
     gqa_attention_inputs: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     mla_latent: Callable[..., torch.Tensor]
     mla_attention_inputs: Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -160,8 +198,9 @@ class DrafterRegions:
 
     @staticmethod
     def eager() -> "DrafterRegions":
-        return DrafterRegions(features, gqa_project_kv, gqa_attention_inputs, mla_latent, mla_attention_inputs,
-                              layer_output, greedy_drafts, draft_addressing, compiled=False)
+        return DrafterRegions(features, gqa_project_kv, gqa_context_kv, mla_context_latents, gqa_attention_inputs,
+                              mla_latent, mla_attention_inputs, layer_output, greedy_drafts, draft_addressing,
+                              compiled=False)
 
     @staticmethod
     def inductor(triton_chain: bool = False) -> "DrafterRegions":
@@ -181,6 +220,7 @@ def _inductor_regions(triton_chain: bool) -> DrafterRegions:
         drafts = greedy_drafts_triton
     else:
         drafts = c(greedy_drafts)
-    return DrafterRegions(c(features), c(gqa_project_kv), c(gqa_attention_inputs), c(mla_latent),
+    return DrafterRegions(c(features), c(gqa_project_kv), c(gqa_context_kv), c(mla_context_latents),
+                          c(gqa_attention_inputs), c(mla_latent),
                           c(mla_attention_inputs), LayerRegions.inductor().output, drafts,
                           c(draft_addressing), compiled=True, triton_chain=triton_chain)

@@ -24,7 +24,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from ..attention_backend.interface import AttentionBackend, AttentionMetadata, write_kv, write_slots
+from ..attention_backend.interface import AttentionBackend, AttentionMetadata, stacked_layers, write_kv, \
+    write_slots, write_slots_layers
 from ..modules.attention import Attention
 from ..modules.fp8_block import FP8BlockLinear
 from ..modules.gated_mlp import GatedMLP
@@ -119,6 +120,8 @@ class DSparkForCausalLMBase(nn.Module, ABC):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank) if cfg.markov_rank > 0 else None
         self.regions: Optional[DrafterRegions] = None   # context features and propose; layers hold theirs
+        # every layer's context projection stacked (`use_regions`; a derived copy, not in the state dict)
+        self._context_weights: Optional[ContextWeights] = None
         # Plain tuple attribute: not a submodule, so not in state_dict(), parameters() or .to().
         self._target_refs: Optional[tuple[nn.Embedding, nn.Linear]] = None
 
@@ -126,6 +129,14 @@ class DSparkForCausalLMBase(nn.Module, ABC):
     @abstractmethod
     def _make_attention(self, cfg: DSparkModelConfig) -> nn.Module:
         """One layer's attention module (forward(x, positions, kv_cache, md, backend))."""
+
+    @abstractmethod
+    def _stack_context_weights(self) -> "ContextWeights":
+        """Every layer's context projection (GQA k|v rows, MLA kv_a) and its norm weight, stacked."""
+
+    @abstractmethod
+    def _context_all_layers(self, features: torch.Tensor, positions: torch.Tensor, r: DrafterRegions) -> torch.Tensor:
+        """features [N, H] -> every layer's pool entries [N, L, planes, heads, head_dim] (one region call)."""
 
     @abstractmethod
     def _context_planes(self, layer: DSparkDecoderLayer, features: torch.Tensor, positions: torch.Tensor,
@@ -184,6 +195,7 @@ class DSparkForCausalLMBase(nn.Module, ABC):
         self.regions = regions
         for layer in self.layers:
             layer.regions = None if quantized else regions
+        self._context_weights = None if quantized else self._stack_context_weights()
 
     def regions_summary(self) -> str:
         """What the drafter runs: "inductor" | "eager" (every region; "inductor (Markov chain: Triton)" on
@@ -237,6 +249,14 @@ class DSparkForCausalLMBase(nn.Module, ABC):
         where compiled ones are set (`_regions`).
         """
         self._check_caches(kv_caches)
+        r = _regions(self.regions, compiled)
+        pool = stacked_layers(kv_caches) if r is not None and self._context_weights is not None else None
+        if pool is not None:        # the pool's layers are one tensor: one projection, one write
+            if not self._context_weights.current():     # a weight changed in place since use_regions
+                self._context_weights = self._stack_context_weights()
+            write_slots_layers(pool, self._context_all_layers(features, positions, r), slot_mapping,
+                               all_valid=slots_valid)
+            return
 
         def write(cache: torch.Tensor, plane: int, values: torch.Tensor) -> None:
             write_slots(cache[:, plane], values, slot_mapping, all_valid=slots_valid)
@@ -426,6 +446,18 @@ class GQADSparkForCausalLM(DSparkForCausalLMBase):
                                      *a.rotary.tables(positions.device), a.rotary.interleaved, a.num_kv_heads,
                                      a.head_dim))
 
+    def _stack_context_weights(self) -> "ContextWeights":
+        attns = [layer.self_attn for layer in self.layers]
+        ws, bs = zip(*(a.kv_weights() for a in attns))
+        return ContextWeights.stack(ws, bs, [a.k_norm.weight for a in attns], attns[0].k_norm.eps)
+
+    def _context_all_layers(self, features: torch.Tensor, positions: torch.Tensor, r: DrafterRegions) -> torch.Tensor:
+        cw, a = self._context_weights, self.layers[0].self_attn
+        kv = r.gqa_context_kv(features, cw.weight, cw.bias, cw.norm_weight, cw.eps, positions,
+                              *self.rotary.tables(positions.device), self.rotary.interleaved, a.num_kv_heads,
+                              a.head_dim)
+        return kv.view(kv.shape[0], kv.shape[1], 2, a.num_kv_heads, a.head_dim)
+
     def kv_cache_layout(self) -> DraftKVLayout:
         c = self.config
         return DraftKVLayout("gqa", c.num_hidden_layers, 2, c.num_key_value_heads, c.head_dim)
@@ -456,9 +488,46 @@ class MLADSparkForCausalLM(DSparkForCausalLMBase):
                                   positions, *a.rotary.tables(positions.device), a.rotary.interleaved, a.kv_lora_rank)
         return [latent[:, None, :]]                             # [N, 1, R + rope]
 
+    def _stack_context_weights(self) -> "ContextWeights":
+        attns = [layer.self_attn for layer in self.layers]
+        return ContextWeights.stack([a.kv_a_proj_with_mqa.weight for a in attns], [None],
+                                    [a.kv_a_layernorm.weight for a in attns], attns[0].kv_a_layernorm.eps)
+
+    def _context_all_layers(self, features: torch.Tensor, positions: torch.Tensor, r: DrafterRegions) -> torch.Tensor:
+        cw = self._context_weights
+        lat = r.mla_context_latents(features, cw.weight, cw.norm_weight, cw.eps, positions,
+                                    *self.rotary.tables(positions.device), self.rotary.interleaved,
+                                    self.config.kv_lora_rank)
+        return lat[:, :, None, None, :]                         # [N, L, 1, 1, R + rope]
+
     def kv_cache_layout(self) -> DraftKVLayout:
         c = self.config
         return DraftKVLayout("mla", c.num_hidden_layers, 1, 1, c.kv_lora_rank + c.qk_rope_head_dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextWeights:
+    """Every layer's context projection stacked: weight [L * out, H] (GQA: each layer's k|v rows; MLA:
+    kv_a), bias [L * out] or None, norm_weight [L, d] (GQA k_norm, MLA kv_a_layernorm), the norm's eps;
+    sources: the per-layer tensors they copy, with their version counters at stacking (`current`)."""
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+    norm_weight: torch.Tensor
+    eps: float
+    sources: tuple[torch.Tensor, ...]
+    versions: tuple[int, ...]
+
+    @staticmethod
+    def stack(weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]],
+              norms: Sequence[torch.Tensor], eps: float) -> "ContextWeights":
+        sources = tuple(weights) + tuple(b for b in biases if b is not None) + tuple(norms)
+        return ContextWeights(torch.cat(list(weights)), None if biases[0] is None else torch.cat(list(biases)),
+                              torch.stack(list(norms)), eps, sources, tuple(t._version for t in sources))
+
+    def current(self) -> bool:
+        """No source was changed in place (or moved) since stacking."""
+        return (all(t._version == v for t, v in zip(self.sources, self.versions))
+                and self.weight.device == self.sources[0].device and self.weight.dtype == self.sources[0].dtype)
 
 
 def _regions(regions: Optional[DrafterRegions], compiled: bool) -> Optional[DrafterRegions]:
