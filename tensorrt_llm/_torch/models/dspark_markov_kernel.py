@@ -5,11 +5,12 @@ bias of draft j-1 (the anchor for j = 0), bias = w2 @ w1[prev] (`MarkovHead`, ra
 torch ops, each draft is three kernels (the embedding row, a [R, r] x [r, V] GEMM, a fused add +
 argmax that a small batch runs on one block per row): ~13.5 us per draft on an H200 at batch 1.
 
-Here launch j (grid: row blocks x vocabulary tiles) first finishes draft j-1: every program reduces
-the per-tile maxima that launch j-1 left (lowest index among equal maxima, as `torch.argmax`) to
-the previous pick, and tile 0 stores it. Then each program adds the bias of its vocabulary tile
-(a [rows, r] x [r, tile] dot, rounded to the weights' dtype as the torch GEMM's output is) to the
-logits tile and leaves that tile's maximum and its index. A last launch reduces the final draft.
+Here launch j (grid: blocks of up to 8 rows x vocabulary tiles of 512) first finishes draft j-1:
+for each of its rows a program reduces the per-tile maxima that launch j-1 left (lowest index
+among equal maxima, as `torch.argmax`) to the previous pick, and tile 0 stores it. Then it adds
+the bias over its vocabulary tile (r float32 products per entry from the tile's Markov weights,
+loaded once for all its rows; rounded to the weights' dtype as the torch GEMM's output is) to the
+row's logits tile and leaves the tile's maximum and its index. A last launch reduces the final draft.
 The partials alternate between two buffers, so launch j reads what launch j-1 wrote.
 
 `markov_greedy_chain` is the reference-checked entry point: the ids equal `dspark_regions.
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-BLOCK_R = 16          # rows per program (tl.dot's smallest M)
+MAX_BLOCK_R = 8       # rows per program (they share the program's tile of Markov weights)
 BLOCK_V = 512         # vocabulary entries per program
 NO_INDEX = tl.constexpr(2 ** 31 - 1)   # a global a Triton kernel reads must be a constexpr
 
@@ -34,43 +35,41 @@ NO_INDEX = tl.constexpr(2 ** 31 - 1)   # a global a Triton kernel reads must be 
 def _markov_draft_kernel(logits_ptr, stride_lr, stride_lj, anchors_ptr, w1_ptr, stride_w1, w2_ptr, stride_w2,
                          pval_ptr, pidx_ptr, ids_ptr, stride_ir, R, V, NT, j, rank,
                          HAS_MARKOV: tl.constexpr, FIRST: tl.constexpr, SCAN: tl.constexpr,
-                         RANK_P: tl.constexpr, BLOCK_R: tl.constexpr,
-                         BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = rows < R
+                         RANK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr):
     tile = tl.program_id(1)
-    if FIRST:
-        prev = tl.load(anchors_ptr + rows, mask=rmask, other=0)
-    else:
-        ts = tl.arange(0, BLOCK_T)
-        src = ((j - 1) % 2) * R * NT + rows[:, None] * NT + ts[None, :]
-        pm = rmask[:, None] & (ts[None, :] < NT)
-        pv = tl.load(pval_ptr + src, mask=pm, other=float("-inf"))
-        pi = tl.load(pidx_ptr + src, mask=pm, other=NO_INDEX)
-        best = tl.max(pv, axis=1)
-        prev = tl.min(tl.where(pv == best[:, None], pi, NO_INDEX), axis=1)
-        if tile == 0:
-            tl.store(ids_ptr + rows * stride_ir + (j - 1), prev.to(tl.int64), mask=rmask)
-    if SCAN:
-        cols = tile * BLOCK_V + tl.arange(0, BLOCK_V)
-        cmask = cols < V
-        lmask = rmask[:, None] & cmask[None, :]
-        lptr = logits_ptr + rows[:, None].to(tl.int64) * stride_lr + j * stride_lj + cols[None, :]
-        lj = tl.load(lptr, mask=lmask, other=float("-inf")).to(tl.float32)
-        if HAS_MARKOV:
-            ks = tl.arange(0, RANK_P)
-            kmask = ks < rank
-            e = tl.load(w1_ptr + prev[:, None].to(tl.int64) * stride_w1 + ks[None, :],
-                        mask=rmask[:, None] & kmask[None, :], other=0.0)
-            w = tl.load(w2_ptr + cols[:, None].to(tl.int64) * stride_w2 + ks[None, :],
-                        mask=cmask[:, None] & kmask[None, :], other=0.0)
-            # fp32 products of the weights' values (exact for bf16 / fp16), accumulated in fp32
-            bias = tl.dot(e.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-            lj = lj + bias.to(w2_ptr.dtype.element_ty).to(tl.float32)
-        best, arg = tl.max(lj, axis=1, return_indices=True, return_indices_tie_break_left=True)
-        dst = (j % 2) * R * NT + rows * NT + tile
-        tl.store(pval_ptr + dst, best, mask=rmask)
-        tl.store(pidx_ptr + dst, arg + tile * BLOCK_V, mask=rmask)
+    cols = tile * BLOCK_V + tl.arange(0, BLOCK_V)
+    cmask = cols < V
+    ks = tl.arange(0, RANK_P)
+    kmask = ks < rank
+    if SCAN and HAS_MARKOV:       # the tile's Markov weights, loaded once for the program's rows
+        w = tl.load(w2_ptr + cols[:, None].to(tl.int64) * stride_w2 + ks[None, :],
+                    mask=cmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+    ts = tl.arange(0, BLOCK_T)
+    for i in tl.static_range(BLOCK_R):
+        row = tl.program_id(0) * BLOCK_R + i
+        if row < R:
+            if SCAN:
+                lptr = logits_ptr + row.to(tl.int64) * stride_lr + j * stride_lj + cols
+                lj = tl.load(lptr, mask=cmask, other=float("-inf")).to(tl.float32)
+            if FIRST:
+                prev = tl.load(anchors_ptr + row)
+            else:       # draft j-1's pick: the lowest index among its tiles' equal maxima
+                src = ((j - 1) % 2) * R * NT + row * NT + ts
+                pv = tl.load(pval_ptr + src, mask=ts < NT, other=float("-inf"))
+                pi = tl.load(pidx_ptr + src, mask=ts < NT, other=NO_INDEX)
+                prev = tl.min(tl.where(pv == tl.max(pv, axis=0), pi, NO_INDEX), axis=0)
+                if tile == 0:
+                    tl.store(ids_ptr + row * stride_ir + (j - 1), prev.to(tl.int64))
+            if SCAN:
+                if HAS_MARKOV:
+                    e = tl.load(w1_ptr + prev.to(tl.int64) * stride_w1 + ks, mask=kmask, other=0.0).to(tl.float32)
+                    # fp32 products of the weights' values, rounded to their dtype as the torch GEMM's output
+                    bias = tl.sum(w * e[None, :], axis=1)
+                    lj = lj + bias.to(w2_ptr.dtype.element_ty).to(tl.float32)
+                best, arg = tl.max(lj, axis=0, return_indices=True, return_indices_tie_break_left=True)
+                dst = (j % 2) * R * NT + row * NT + tile
+                tl.store(pval_ptr + dst, best)
+                tl.store(pidx_ptr + dst, arg + tile * BLOCK_V)
 
 
 def markov_greedy_chain(logits: torch.Tensor, anchor_ids: torch.Tensor, w1: Optional[torch.Tensor],
@@ -98,9 +97,10 @@ def markov_greedy_chain(logits: torch.Tensor, anchor_ids: torch.Tensor, w1: Opti
     markov = w1 is not None
     rank = w1.shape[1] if markov else 0
     wa, wb = (w1, w2) if markov else (logits, logits)
-    common = dict(HAS_MARKOV=markov, RANK_P=max(16, triton.next_power_of_2(rank)),
-                  BLOCK_R=BLOCK_R, BLOCK_V=BLOCK_V, BLOCK_T=max(16, triton.next_power_of_2(nt)), num_warps=4)
-    rb = triton.cdiv(r, BLOCK_R)
+    block_r = min(MAX_BLOCK_R, triton.next_power_of_2(r))
+    common = dict(HAS_MARKOV=markov, RANK_P=max(2, triton.next_power_of_2(rank)), BLOCK_R=block_r,
+                  BLOCK_V=BLOCK_V, BLOCK_T=max(16, triton.next_power_of_2(nt)), num_warps=4)
+    rb = triton.cdiv(r, block_r)
     anchors = anchor_ids.contiguous()
     for j in range(n + 1):
         scan = j < n
