@@ -122,9 +122,10 @@ class _FakeModel(torch.nn.Module):
     def forward(self, input_ids, positions, kv_caches, md, backend, capture_layer_ids):
         return torch.stack([input_ids, positions], dim=-1), []    # "hidden" [T, 2]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         nxt = self.stream[(31 * hidden[:, 0] + hidden[:, 1]) % len(self.stream)]
-        return torch.nn.functional.one_hot(nxt, FAKE_VOCAB).float()   # [T, FAKE_VOCAB]
+        logits = torch.nn.functional.one_hot(nxt, FAKE_VOCAB)          # [T, FAKE_VOCAB]
+        return logits.float() if float32 else logits.to(torch.bfloat16)
 
 
 class _HostGraphCache(GraphCache):

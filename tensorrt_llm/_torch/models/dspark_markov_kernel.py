@@ -120,3 +120,14 @@ def greedy_drafts_triton(hidden: torch.Tensor, anchor_ids: torch.Tensor, lm_w: t
     h = hidden.reshape(r, block_size, -1)[:, first:first + num_drafts].reshape(r * num_drafts, -1)
     logits = F.linear(h.to(lm_w.dtype), lm_w, lm_b).view(r, num_drafts, -1)
     return markov_greedy_chain(logits, anchor_ids, markov_w1, markov_w2)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [N, V] (any float dtype, e.g. the target's bf16 logits) -> [N] int64, `torch.argmax(x, -1)`
+    (lowest index among equal maxima) as two launches over vocabulary tiles: one program per 8 rows
+    and tile, so a few rows still spread over the GPU (torch reduces a row on one block)."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [N, V], got {tuple(x.shape)}")
+    rows = x if x.stride(-1) == 1 else x.contiguous()
+    return markov_greedy_chain(rows.unsqueeze(1), torch.zeros(rows.shape[0], dtype=torch.int64, device=x.device),
+                               None, None)[:, 0]

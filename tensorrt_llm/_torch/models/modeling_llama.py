@@ -216,9 +216,11 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.regions = regions
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, H] -> logits [N, V] float32."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """hidden: [N, H] -> logits [N, V] float32 (float32=False: the lm_head's dtype, e.g. for an
+        argmax, which the widening cannot change)."""
+        logits = self.lm_head(hidden)
+        return logits.float() if float32 else logits
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

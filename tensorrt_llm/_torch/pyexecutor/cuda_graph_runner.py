@@ -288,7 +288,9 @@ class CUDAGraphRunner:
             md.kv_len_bound = int(plan.starts.max(initial=0)) + max(self.token_counts) + q
         self.backend.prepare(md)
 
-    def forward(self, entry: TargetGraphEntry) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def forward(self, entry: TargetGraphEntry, float_logits: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The entry's step -> (logits [bucket * q, V]: float32, or the lm_head's dtype with
+        float_logits=False; the captured rows [bucket * q, n * H] or None)."""
         positions, md = entry.positions, entry.md
         if entry.shift is not None:     # continued segments: addressing from the device-side starts
             start = positions.view(entry.bucket, entry.q)[:, 0] + entry.shift
@@ -298,5 +300,5 @@ class CUDAGraphRunner:
             positions = pos.view(-1)
         hidden, captured = self.model(entry.input_ids, positions, self.kv_caches, md,
                                       self.backend, self.capture_layer_ids)
-        logits = self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden, float32=float_logits)
         return logits, (torch.cat(captured, dim=-1) if captured else None)

@@ -26,7 +26,7 @@ graphs (`capture=False`: the CPU) the same step runs directly on the batch as it
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -39,11 +39,18 @@ from ..speculative.draft_graph_runner import DraftGraphRunner
 from .cuda_graph_runner import CUDAGraphRunner, StepPlan, TargetGraphEntry
 
 
-def greedy_verify(ids: torch.Tensor, logits: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+def torch_argmax(x: torch.Tensor) -> torch.Tensor:
+    """x [N, V] -> [N] int64 (`SpecStepGraph`'s argmax off CUDA)."""
+    return x.argmax(-1)
+
+
+def greedy_verify(ids: torch.Tensor, logits: torch.Tensor, live: torch.Tensor,
+                  argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax) -> torch.Tensor:
     """Greedy acceptance on the device (capturable): ids [B, q] int64 verify segments [anchor,
-    d1..d(q-1)], logits [B, q, V] their target logits, live [B] bool (False: a padding row, which
-    commits one token) -> [B, q] int64: argmax up to and including the first mismatch, then -1."""
-    best = logits.argmax(-1)                                                   # [B, q]
+    d1..d(q-1)], logits [B, q, V] their target logits (any float dtype), live [B] bool (False: a
+    padding row, which commits one token) -> [B, q] int64: argmax up to and including the first
+    mismatch, then -1. argmax: [N, V] -> [N] int64, torch's or `argmax_rows` (Triton, CUDA)."""
+    best = argmax(logits.reshape(-1, logits.shape[-1])).view(ids.shape)       # [B, q]
     accepted = (ids[:, 1:] == best[:, :-1]).long().cumprod(1).sum(1) * live    # [B] 0..q-1
     cols = torch.arange(ids.shape[1], device=ids.device)
     return torch.where(cols[None, :] <= accepted[:, None], best, -1)
@@ -77,6 +84,12 @@ class SpecStepGraph:
         self.graphs: GraphCache[_SpecEntry] = GraphCache(target.device, target.graphs.capture)
         self.num_launches = 0
         self._no_logits = torch.zeros(0, 1, device=target.device)   # every launch's (empty) logits
+        # the verify argmax over the lm_head's own logits (bf16: no float32 copy of [bucket * q, V]);
+        # on CUDA split over vocabulary tiles (torch reduces a row on one block: 13 us at batch 1)
+        self._argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax
+        if target.device.type == "cuda":
+            from ..models.dspark_markov_kernel import argmax_rows
+            self._argmax = argmax_rows
 
     def eligible(self, reqs: Sequence[LlmRequest], segments: Sequence[ForwardSegment]) -> bool:
         """Host-known per-request conditions (the target's plan adds the shape, bucket and page checks)."""
@@ -127,12 +140,13 @@ class SpecStepGraph:
 
     def _forward(self, entry: _SpecEntry) -> torch.Tensor:
         t = entry.target
-        logits, captured = self.target.forward(t)
+        logits, captured = self.target.forward(t, float_logits=False)
         if captured is None:
             raise ValueError("the one-graph DSpark step needs the target's captured hidden rows")
         start = t.positions.view(t.bucket, t.q)[:, 0]      # host starts: 0 only on padding rows (a
         live = start > 0                                   # generating request has its prompt before)
-        verified = greedy_verify(t.input_ids.view(t.bucket, t.q), logits.view(t.bucket, t.q, -1), live)
+        verified = greedy_verify(t.input_ids.view(t.bucket, t.q), logits.view(t.bucket, t.q, -1), live,
+                                 self._argmax)
         if t.shift is not None:
             start = start + t.shift
         return torch.cat([verified, self.draft.draft_rows(captured, verified, start, entry.block_md)], 1)

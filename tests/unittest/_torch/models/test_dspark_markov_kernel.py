@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tensorrt_llm._torch.models.dspark_markov_kernel import BLOCK_V, greedy_drafts_triton, markov_greedy_chain
+from tensorrt_llm._torch.models.dspark_markov_kernel import BLOCK_V, argmax_rows, greedy_drafts_triton, \
+    markov_greedy_chain
 from tensorrt_llm._torch.models.dspark_regions import DrafterRegions, greedy_drafts
 
 
@@ -90,6 +91,16 @@ def test_ties_pick_the_lowest_index_across_tiles() -> None:
     assert got[:, 0].tolist() == logits[:, 0].argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_argmax_rows_equals_torch(dtype: torch.dtype) -> None:
+    """The verify argmax (`SpecStepGraph` on CUDA): 19 rows (three programs of up to 8) over three
+    tiles, bf16 with its many equal values (the lowest index wins, as torch's); a strided view."""
+    x = (torch.randn(19, 2 * BLOCK_V + 9, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
+    assert torch.equal(argmax_rows(x), x.argmax(-1))
+    assert torch.equal(argmax_rows(x[:, :BLOCK_V + 1]), x[:, :BLOCK_V + 1].argmax(-1))
+    assert not torch.equal(argmax_rows(x), (-x).argmax(-1))          # control: the other extreme
+
+
 def test_bad_inputs_name_the_problem() -> None:
     logits, anchors, w1, w2 = _case(2, 3, 100, 16, torch.float32, "cpu")
     with pytest.raises(ValueError, match="anchor_ids must be"):
@@ -100,6 +111,8 @@ def test_bad_inputs_name_the_problem() -> None:
         markov_greedy_chain(logits, anchors, w1[:50], w2[:50])
     with pytest.raises(ValueError, match=r"\[R, n, V\]"):
         markov_greedy_chain(logits[0], anchors, w1, w2)
+    with pytest.raises(ValueError, match=r"\[N, V\]"):
+        argmax_rows(logits)
 
 
 def test_cuda_regions_use_the_chain() -> None:
@@ -118,3 +131,5 @@ def test_chain_on_gpu_at_drafter_shapes(r: int) -> None:
     _check(got.cpu(), logits.cpu(), anchors.cpu(), w1.cpu(), w2.cpu())
     unbiased, _ = _reference(logits, anchors, None, None)
     assert (got != unbiased).float().mean() > 0.5
+    rows = logits.view(-1, logits.shape[-1])                    # the verify argmax over bf16 logits
+    assert torch.equal(argmax_rows(rows), rows.argmax(-1))

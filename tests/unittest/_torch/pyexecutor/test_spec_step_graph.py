@@ -53,6 +53,18 @@ def test_greedy_verify_equals_the_rejection_sampler():
     assert not torch.equal(bad[q - 1], got[q - 1]) and torch.equal(bad[:q - 1], got[:q - 1])
 
 
+def test_greedy_verify_over_bf16_logits_with_the_split_argmax():
+    """The one-graph step on CUDA: the lm_head's bf16 logits (no float32 copy) through `argmax_rows`
+    (Triton; the interpreter here) commit what the float32 logits commit."""
+    from tensorrt_llm._torch.models.dspark_markov_kernel import argmax_rows
+    ids, logits = _verify_case(0)
+    half = logits.to(torch.bfloat16)
+    live = torch.ones(ids.shape[0], dtype=torch.bool)
+    want = spec_step_graph.greedy_verify(ids, half.float(), live)
+    assert torch.equal(spec_step_graph.greedy_verify(ids, half, live, argmax_rows), want)
+    assert bool((want >= 0).sum(1).gt(1).any())                              # drafts were accepted
+
+
 def _off(engine) -> None:
     engine.spec_step = None
 
@@ -96,8 +108,8 @@ def test_committing_past_the_first_mismatch_is_seen(make_llm, tiny_llama_dir, ti
     want, _, _ = generate_run(make_llm, tiny_llama_dir, prompts, params, overlap=False)
     real = spec_step_graph.greedy_verify
 
-    def one_more(ids, logits, live):
-        v = real(ids, logits, live)
+    def one_more(ids, logits, live, argmax):
+        v = real(ids, logits, live, argmax)
         n = (v >= 0).sum(1)
         col = n.clamp(max=v.shape[1] - 1)
         v.scatter_(1, col[:, None], logits.argmax(-1).gather(1, col[:, None]))
