@@ -162,16 +162,23 @@ def write_slots(cache_plane: torch.Tensor, values: torch.Tensor, slot_mapping: t
     cache_plane: [num_pages, H, P, D]; values: [T, H, D]; slot_mapping: [T] (-1 skipped).
     all_valid: the caller guarantees every slot >= 0 (no host sync; safe inside CUDA graphs).
     """
+    rows = _kept_rows(values, slot_mapping, all_valid, cache_plane.shape[2])
+    if rows is not None:
+        cache_plane, vals = writable(cache_plane, rows[0])
+        cache_plane[rows[1], :, rows[2]] = vals
+
+
+def _kept_rows(values: torch.Tensor, slot_mapping: torch.Tensor, all_valid: bool, page_size: int
+               ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The rows to write (-1 slots dropped unless all_valid) -> (values, page, offset), or None when
+    none is left."""
     if not all_valid:
         keep = slot_mapping >= 0
         if not bool(keep.all()):
             values, slot_mapping = values[keep], slot_mapping[keep]
     if slot_mapping.numel() == 0:
-        return
-    p = cache_plane.shape[2]
-    page, off = slot_mapping // p, slot_mapping % p
-    cache_plane, vals = writable(cache_plane, values)
-    cache_plane[page, :, off] = vals
+        return None
+    return values, slot_mapping // page_size, slot_mapping % page_size
 
 
 def stacked_layers(caches: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -194,16 +201,10 @@ def write_slots_layers(pool: torch.Tensor, values: torch.Tensor, slot_mapping: t
                        all_valid: bool = False) -> None:
     """`write_slots` of every layer and plane at once: pool [L, num_pages, planes, H, P, D] (from
     `stacked_layers`), values [T, L, planes, H, D], slot_mapping [T] (-1 skipped; all_valid as there)."""
-    if not all_valid:
-        keep = slot_mapping >= 0
-        if not bool(keep.all()):
-            values, slot_mapping = values[keep], slot_mapping[keep]
-    if slot_mapping.numel() == 0:
-        return
-    p = pool.shape[4]
-    page, off = slot_mapping // p, slot_mapping % p
-    pool, vals = writable(pool, values)
-    pool[:, page, :, :, off] = vals
+    rows = _kept_rows(values, slot_mapping, all_valid, pool.shape[4])
+    if rows is not None:
+        pool, vals = writable(pool, rows[0])
+        pool[:, rows[1], :, :, rows[2]] = vals
 
 
 def joint_kv(k: torch.Tensor, v: torch.Tensor) -> Optional[torch.Tensor]:
