@@ -272,11 +272,16 @@ class DSparkWorker(Drafter):
         if self.graph_runner is None or not commits:
             return None
         self._write_context(commits, captured)
+        self._mark_written(commits)        # an arrival the launch leaves out does not write it again
         return self._launch_last_rows(commits, anchors, captured)
 
     def _eager_draft(self, commits: Sequence[StepCommit], captured: torch.Tensor) -> None:
-        """The draft step without CUDA graphs: any mix of context chunks, clamps and sampling."""
-        self._write_context(commits, captured)
+        """The draft step without CUDA graphs: any mix of context chunks, clamps and sampling. The
+        context of commits already written (an arrival `draft_arrivals` wrote but did not launch) is
+        not written again."""
+        kv = self.kv
+        self._write_context([c for c in commits if kv.draft_written_tokens(c.req.request_id) < c.start + c.count],
+                            captured)
         self._mark_written(commits)
         gen = [c for c in commits if c.req.state is RequestState.GENERATION and c.count]
         if gen:

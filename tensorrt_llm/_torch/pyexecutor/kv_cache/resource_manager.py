@@ -186,6 +186,10 @@ class KVCacheManager:
     def owned_tokens(self, req_id: int) -> int:
         return len(self.seqs[req_id].pages) * self.tokens_per_block
 
+    def draft_written_tokens(self, req_id: int) -> int:
+        """Positions < this hold the request's draft context KV (`mark_draft_written`, prefix hits)."""
+        return self.seqs[req_id].num_draft_valid_tokens
+
     def request_pages(self, req_id: int) -> list[int]:
         """The page ids a request owns, in token order (a copy; the same ids index every pool)."""
         return list(self.seqs[req_id].pages)

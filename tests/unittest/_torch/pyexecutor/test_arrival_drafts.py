@@ -85,3 +85,35 @@ def test_arrivals_continue_in_the_one_graph_step(make_llm, tiny_llama_dir, tiny_
     assert got == want
     assert steps["prompts_read_late"] > 0
     assert steps["one_graph"] == steps["total"] - steps["with_prompt_chunks"]
+
+
+def test_an_arrival_left_out_of_the_launch_writes_its_context_once(make_llm, tiny_llama_dir, tiny_drafters,
+                                                                   monkeypatch):
+    """`draft_arrivals` writes every arrival's draft context; one its launch leaves out (here the last
+    of each group, as a page-span refusal would) drafts after the read without writing it again:
+    every (request, position) is written once, and the output equals no-spec greedy. Checked the
+    other way: without the skip the left-out arrivals' prompt positions were written twice."""
+    from tensorrt_llm._torch.speculative.dspark_worker import DSparkWorker
+    written, left_out = [], []
+    real_write, real_launch = DSparkWorker._write_context, DSparkWorker._launch_last_rows
+
+    def spy(self, commits, captured):
+        written.extend((c.req.request_id, p) for c in commits for p in range(c.start, c.start + c.count))
+        return real_write(self, commits, captured)
+
+    def partial(self, commits, anchors, captured):
+        if len(commits) > 1:
+            left_out.append(commits[-1].req.request_id)
+            commits, anchors = commits[:-1], anchors[:-1]
+        return real_launch(self, commits, anchors, captured)
+    rng = random.Random(3)
+    prompts = random_prompts(rng, 8)
+    params = [SamplingParams(max_tokens=rng.randrange(4, 20), ignore_eos=True) for _ in prompts]
+    want, _, _ = generate_run(make_llm, tiny_llama_dir, prompts, params, overlap=False)
+    monkeypatch.setattr(DSparkWorker, "_write_context", spy)
+    monkeypatch.setattr(DSparkWorker, "_launch_last_rows", partial)
+    got, _, _ = generate_run(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters["gqa"],
+                             max_batch_size=4)
+    assert got == want
+    assert left_out and written
+    assert len(written) == len(set(written))
