@@ -288,7 +288,8 @@ class CUDAGraphRunner:
             md.kv_len_bound = int(plan.starts.max(initial=0)) + max(self.token_counts) + q
         self.backend.prepare(md)
 
-    def forward(self, entry: TargetGraphEntry, float_logits: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def forward(self, entry: TargetGraphEntry,
+                float_logits: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The entry's step -> (logits [bucket * q, V]: float32, or the lm_head's dtype with
         float_logits=False; the captured rows [bucket * q, n * H] or None)."""
         positions, md = entry.positions, entry.md

@@ -4,8 +4,8 @@ A steady-state DSpark step (every request generating, greedy, one verify width q
 captured graph per (batch bucket, q, continued), composed of the target runner's whole-step
 entry (`CUDAGraphRunner`) and the drafter's device step (`DraftGraphRunner.draft_rows`)::
 
-    target forward over [anchor, d1..d(q-1)] x bucket       -> logits [bucket*q, V], captured rows
-    best = argmax(logits)  [bucket, q]                       (greedy verify on the device)
+    target forward over [anchor, d1..d(q-1)] x bucket       -> logits [bucket*q, V] (lm_head dtype), captured rows
+    best = argmax(logits)  [bucket, q]                       (greedy verify on the device; CUDA: `argmax_rows`)
     accepted = running match of the drafts with best         [bucket] 0..q-1 (0 on padding rows)
     verified = best where col <= accepted, else -1           [bucket, q]: the committed tokens
     draft step from (captured, verified, start + shift)      -> [bucket, 2 + K] [committed | anchor, drafts]
