@@ -124,8 +124,9 @@ def greedy_drafts_triton(hidden: torch.Tensor, anchor_ids: torch.Tensor, lm_w: t
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x [N, V] (any float dtype, e.g. the target's bf16 logits) -> [N] int64, `torch.argmax(x, -1)`
-    (lowest index among equal maxima) as two launches over vocabulary tiles: one program per 8 rows
-    and tile, so a few rows still spread over the GPU (torch reduces a row on one block)."""
+    (lowest index among equal maxima; a NaN is not a maximum here, where torch would pick it) as two
+    launches over vocabulary tiles: one program per 8 rows and tile, so a few rows still spread over
+    the GPU (torch reduces a row on one block)."""
     if x.dim() != 2:
         raise ValueError(f"x must be [N, V], got {tuple(x.shape)}")
     rows = x if x.stride(-1) == 1 else x.contiguous()
