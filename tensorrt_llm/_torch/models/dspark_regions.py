@@ -197,10 +197,16 @@ class DrafterRegions:
     triton_chain: bool = False     # greedy_drafts is `dspark_markov_kernel.greedy_drafts_triton`
 
     @staticmethod
-    def eager() -> "DrafterRegions":
+    def eager(triton_chain: bool = False) -> "DrafterRegions":
+        """The region functions uncompiled (bitwise the module path); triton_chain (CUDA): the greedy
+        drafts' Markov chain as Triton launches (`dspark_markov_kernel`), as in `inductor`."""
+        drafts = greedy_drafts
+        if triton_chain:
+            from .dspark_markov_kernel import greedy_drafts_triton
+            drafts = greedy_drafts_triton
         return DrafterRegions(features, gqa_project_kv, gqa_context_kv, mla_context_latents, gqa_attention_inputs,
-                              mla_latent, mla_attention_inputs, layer_output, greedy_drafts, draft_addressing,
-                              compiled=False)
+                              mla_latent, mla_attention_inputs, layer_output, drafts, draft_addressing,
+                              compiled=False, triton_chain=triton_chain)
 
     @staticmethod
     def inductor(triton_chain: bool = False) -> "DrafterRegions":

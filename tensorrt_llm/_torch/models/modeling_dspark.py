@@ -198,9 +198,9 @@ class DSparkForCausalLMBase(nn.Module, ABC):
         self._context_weights = None if quantized else self._stack_context_weights()
 
     def regions_summary(self) -> str:
-        """What the drafter runs: "inductor" | "eager" (every region; "inductor (Markov chain: Triton)" on
-        CUDA: `DrafterRegions.inductor(triton_chain=True)`), "modules" (no regions), or the
-        regions' kind with the parts that keep their modules."""
+        """What the drafter runs: "inductor" | "eager" (every region; with " (Markov chain: Triton)" where
+        the regions' `triton_chain` is set: an engine on CUDA), "modules" (no regions), or the regions'
+        kind with the parts that keep their modules."""
         if self.regions is None:
             return "modules"
         kind = "inductor" if self.regions.compiled else "eager"

@@ -69,9 +69,12 @@ def create_py_executor(args: TorchLlmArgs, tokenizer: TokenizerWrapper) -> Execu
     if args.speculative_config is not None:
         from ..speculative.dspark_worker import create_dspark_worker
         drafter = create_dspark_worker(args.speculative_config, model, dtype, device)
+        from ..models.dspark_regions import DrafterRegions
+        cuda = device.type == "cuda"       # the greedy Markov chain in Triton (`dspark_markov_kernel`)
         if tcc is not None and tcc.enable_inductor:
-            from ..models.dspark_regions import DrafterRegions
-            drafter.drafter.use_regions(DrafterRegions.inductor(triton_chain=device.type == "cuda"))
+            drafter.drafter.use_regions(DrafterRegions.inductor(triton_chain=cuda))
+        elif cuda and drafter.drafter.regions is not None:
+            drafter.drafter.use_regions(DrafterRegions.eager(triton_chain=True))
         specs.append(drafter.kv_cache_spec)
         salt += f"|draft:{drafter.identity}"
     p = kvc.tokens_per_block

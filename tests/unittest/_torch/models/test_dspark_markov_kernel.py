@@ -116,9 +116,13 @@ def test_bad_inputs_name_the_problem() -> None:
 
 
 def test_cuda_regions_use_the_chain() -> None:
-    assert DrafterRegions.inductor(triton_chain=True).greedy_drafts is greedy_drafts_triton
-    assert DrafterRegions.inductor(triton_chain=True).triton_chain
-    assert DrafterRegions.inductor().greedy_drafts is not greedy_drafts_triton
+    """Eager or compiled, the regions a CUDA engine sets (`create_py_executor`) draft through the chain;
+    the CPU's (and the default) keep the torch ops."""
+    for regions in (DrafterRegions.inductor(triton_chain=True), DrafterRegions.eager(triton_chain=True)):
+        assert regions.greedy_drafts is greedy_drafts_triton and regions.triton_chain
+    for regions in (DrafterRegions.inductor(), DrafterRegions.eager()):
+        assert regions.greedy_drafts is not greedy_drafts_triton and not regions.triton_chain
+    assert DrafterRegions.eager() == DrafterRegions.eager(triton_chain=False)
 
 
 @pytest.mark.gpu
