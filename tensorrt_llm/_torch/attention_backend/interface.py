@@ -50,6 +50,9 @@ class BackendCapabilities:
     # with device_lengths: ragged queries whose offsets live on the device too
     # (`AttentionMetadata.qo_indptr_device`), so one captured graph runs any mix of segments
     ragged_graphs: bool = False
+    # `forward_rope`: rotates q and k (half-rotation RoPE) in the launch that appends K/V, so a model
+    # with layer regions hands it the q|k|v GEMM's output unrotated
+    fused_rope_append: bool = False
 
 
 @dataclass
@@ -144,6 +147,13 @@ class AttentionBackend(ABC):
         q: [T, Hq, D]; k, v: [T, Hkv, D] (new tokens, written to the cache first);
         kv_cache: [num_pages, 2, Hkv, P, D]. Returns [T, Hq, D].
         """
+
+    def forward_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        """`forward` of unrotated q [T, Hq, D] and k [T, Hkv, D]: the backend rotates both with the
+        half-rotation tables cos / sin [T, 1, D] (float32, `RotaryEmbedding.cos_sin`) as it writes
+        K/V. Only where `capabilities.fused_rope_append`."""
+        raise ValueError(f"attention backend {self.name} does not fuse RoPE into its KV append")
 
     def forward_mla(self, q: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor,
                     metadata: AttentionMetadata, scale: float, v_dim: int) -> torch.Tensor:

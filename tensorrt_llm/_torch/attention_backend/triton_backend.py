@@ -36,7 +36,7 @@ class TritonAttention(AttentionBackend):
     name = "TRITON"
     capabilities = BackendCapabilities(paged=True, mla=True, non_causal_block=True, sliding_window=False,
                                        fp8_kv=False, cuda_graphs=True, devices=("cuda",), device_lengths=True,
-                                       ragged_graphs=True)
+                                       ragged_graphs=True, fused_rope_append=True)
 
     def __init__(self, num_splits: Optional[int] = None):
         """num_splits: KV splits per program (a power of two <= 16; None: sized by the grid, see
@@ -128,6 +128,16 @@ class TritonAttention(AttentionBackend):
         """q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: [num_pages, 2, Hkv, P, D] -> [T, Hq, D]."""
         write_kv(kv_cache, k, v, lambda cache, plane, x: self._write(cache, plane, x, metadata))
         return self._attend(q, kv_cache, metadata, scale, q.shape[-1], mla=False)
+
+    def forward_rope(self, q, k, v, cos, sin, kv_cache, metadata, scale):
+        """Unrotated q [T, Hq, D], k / v [T, Hkv, D]: one launch rotates q and k and appends K/V within
+        each request's pages (`triton_rope_append`; refusals counted as the C++ append's), then attention."""
+        from .triton_rope_append import rope_append
+        md, ex = metadata, self._extras(metadata)
+        qo = ex.get(QO_KEY)
+        q = rope_append(q, k, v, cos, sin, kv_cache, md.slot_mapping, md.block_tables, qo,
+                        0 if qo is not None else md.seq_lens[0], self._counter(q.device))
+        return self._attend(q, kv_cache, md, scale, q.shape[-1], mla=False)
 
     def forward_mla(self, q, latent, kv_cache, metadata, scale, v_dim):
         """q: [T, H, R+r]; latent: [T, R+r]; kv_cache: [num_pages, 1, 1, P, R+r] -> [T, H, R]."""

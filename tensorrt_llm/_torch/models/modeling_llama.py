@@ -84,13 +84,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.regions: Optional[LayerRegions] = None   # set with the fused projections (`use_regions`)
 
-    def attention_inputs(self, h: torch.Tensor, positions: torch.Tensor,
-                         rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """h: [T, hidden] residual stream -> (q [T, Hq, D], k, v [T, Hkv, D]) of this layer."""
+    def attention_inputs(self, h: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                         rotate: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h: [T, hidden] residual stream -> (q [T, Hq, D], k, v [T, Hkv, D]) of this layer; q and k
+        unrotated when not `rotate` (layer regions only: the backend rotates them, `fused_rope_append`)."""
         a, r = self.self_attn, self.regions
         if r is not None:
-            n = self.input_layernorm
-            return r.attention_inputs(h, n.weight, n.eps, *a._qkv, *rope, a.num_heads, a.num_kv_heads, a.head_dim)
+            n, cs = self.input_layernorm, (rope if rotate else (None, None))
+            return r.attention_inputs(h, n.weight, n.eps, *a._qkv, *cs, a.num_heads, a.num_kv_heads, a.head_dim)
+        if not rotate:
+            raise ValueError("unrotated q and k need the layer regions (use_regions)")
         return a.qkv(self.input_layernorm(h), positions, rope)
 
     def output(self, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
@@ -104,17 +107,19 @@ class LlamaDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def output_then_inputs(self, h: torch.Tensor, o: torch.Tensor, nxt: "LlamaDecoderLayer",
-                           positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+                           positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rotate: bool = True
                            ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """This layer's output, then `nxt`'s attention inputs: one region when both layers run
-        regions (`compiled_regions.output_then_inputs`). Returns (h [T, hidden], (q, k, v) of nxt)."""
+        regions (`compiled_regions.output_then_inputs`). Returns (h [T, hidden], (q, k, v) of nxt);
+        `rotate` as in `attention_inputs`."""
         r = self.regions
         if r is None or nxt.regions is None:
             h = self.output(h, o)
-            return h, nxt.attention_inputs(h, positions, rope)
+            return h, nxt.attention_inputs(h, positions, rope, rotate)
         n, m, a = self.post_attention_layernorm, nxt.input_layernorm, nxt.self_attn
+        cs = rope if rotate else (None, None)
         h, q, k, v = r.output_then_inputs(h, o, self.self_attn.o_proj.weight, n.weight, n.eps, self.mlp._gate_up,
-                                          self.mlp.down_proj.weight, m.weight, m.eps, *a._qkv, *rope, a.num_heads,
+                                          self.mlp.down_proj.weight, m.weight, m.eps, *a._qkv, *cs, a.num_heads,
                                           a.num_kv_heads, a.head_dim)
         return h, (q, k, v)
 
@@ -171,11 +176,14 @@ class LlamaForCausalLM(nn.Module):
         captured: dict[int, torch.Tensor] = {}
         want = set(capture_layer_ids)
         layers = self.model.layers
-        qkv = layers[0].attention_inputs(h, positions, rope)
+        # a backend that rotates q and k in its KV append gets them unrotated (one launch fewer per layer)
+        fused = backend.capabilities.fused_rope_append and all(layer.regions is not None for layer in layers)
+        in_attention = rope if fused else None
+        qkv = layers[0].attention_inputs(h, positions, rope, not fused)
         for i, layer in enumerate(layers):     # cut at each attention (`output_then_inputs` between two)
-            o = layer.self_attn.core(*qkv, kv_caches[i], md, backend)
+            o = layer.self_attn.core(*qkv, kv_caches[i], md, backend, in_attention)
             if i + 1 < len(layers):
-                h, qkv = layer.output_then_inputs(h, o, layers[i + 1], positions, rope)
+                h, qkv = layer.output_then_inputs(h, o, layers[i + 1], positions, rope, not fused)
             else:
                 h = layer.output(h, o)
             if i in want:

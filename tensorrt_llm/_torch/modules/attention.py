@@ -95,8 +95,14 @@ class Attention(nn.Module):
         return self.rotary(q, positions), k, v
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-             metadata: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        """New k / v written, paged attention of q: -> [T, Hq * D] (before o_proj)."""
+             metadata: AttentionMetadata, backend: AttentionBackend,
+             rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        """New k / v written, paged attention of q: -> [T, Hq * D] (before o_proj).
+
+        rope: (cos, sin) when q and k come unrotated: the backend rotates them in its KV append
+        (`forward_rope`, a backend with `capabilities.fused_rope_append`)."""
+        if rope is not None:
+            return backend.forward_rope(q, k, v, *rope, kv_cache, metadata, self.scale).reshape(q.shape[0], -1)
         return backend.forward(q, k, v, kv_cache, metadata, self.scale).reshape(q.shape[0], -1)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,

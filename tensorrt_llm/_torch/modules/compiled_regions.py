@@ -42,15 +42,19 @@ def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int
 
 
 def attention_inputs(h: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv_w: torch.Tensor,
-                     qkv_b: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
-                     num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     qkv_b: Optional[torch.Tensor], cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
+                     num_heads: int, num_kv_heads: int, head_dim: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """h [T, H] residual stream -> roped q [T, Hq, D], roped k [T, Hkv, D], v [T, Hkv, D], the views
     of one [T, Hq + 2 Hkv, D] buffer (`split_qkv`).
 
     qkv_w [(Hq + 2 Hkv) D, H] the fused projection; cos / sin [T, 1, D] from `RotaryEmbedding.cos_sin`
-    (half-rotation tables)."""
+    (half-rotation tables), or both None: q and k are returned unrotated, views of the GEMM's
+    output, for a backend that rotates them in its KV append (`fused_rope_append`)."""
     t = h.shape[0]
     qkv = F.linear(rms_norm(h, norm_w, eps), qkv_w, qkv_b)
+    if cos is None:
+        return split_qkv(qkv.view(t, num_heads + 2 * num_kv_heads, head_dim), num_heads, num_kv_heads)
     nqk = (num_heads + num_kv_heads) * head_dim
     qk = rope_halves(qkv[:, :nqk].view(t, num_heads + num_kv_heads, head_dim).float(), cos, sin).to(h.dtype)
     return split_qkv(torch.cat((qk, qkv[:, nqk:].view(t, num_kv_heads, head_dim)), dim=1), num_heads, num_kv_heads)
@@ -67,12 +71,13 @@ def layer_output(h: torch.Tensor, o: torch.Tensor, o_w: torch.Tensor, norm_w: to
 
 def output_then_inputs(h: torch.Tensor, o: torch.Tensor, o_w: torch.Tensor, norm_w: torch.Tensor, eps: float,
                        gate_up_w: torch.Tensor, down_w: torch.Tensor, next_norm_w: torch.Tensor, next_eps: float,
-                       qkv_w: torch.Tensor, qkv_b: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
-                       num_heads: int, num_kv_heads: int, head_dim: int
+                       qkv_w: torch.Tensor, qkv_b: Optional[torch.Tensor], cos: Optional[torch.Tensor],
+                       sin: Optional[torch.Tensor], num_heads: int, num_kv_heads: int, head_dim: int
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One layer's `layer_output`, then the next layer's `attention_inputs`, as one region: compiled,
     the last residual add and the next layer's RMSNorm are one kernel. Returns the layer's output
-    h [T, H] and the next layer's roped q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] (`split_qkv` views)."""
+    h [T, H] and the next layer's q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] (`split_qkv` views; roped
+    unless cos / sin are None, as in `attention_inputs`)."""
     h = layer_output(h, o, o_w, norm_w, eps, gate_up_w, down_w)
     q, k, v = attention_inputs(h, next_norm_w, next_eps, qkv_w, qkv_b, cos, sin, num_heads, num_kv_heads, head_dim)
     return h, q, k, v

@@ -34,6 +34,9 @@ def test_triton_engine_steps_match_vanilla(tiny_llama_dir):
     from tensorrt_llm._torch.models import load_target_model
     model = load_target_model(tiny_llama_dir, torch.float32, torch.device("cpu"), max_positions=256)
     tri, van = _engine(model, TritonAttention()), _engine(model, VanillaAttention())
+    fused = []      # the loaded model runs layer regions: TRITON rotates q and k in its KV append
+    forward_rope = tri.backend.forward_rope
+    tri.backend.forward_rope = lambda *a: fused.append(1) or forward_rope(*a)
     g = torch.Generator().manual_seed(0)
     prompts = {0: 5, 1: 23, 2: 1, 3: 17}
     toks = {r: torch.randint(3, 400, (n,), generator=g).tolist() for r, n in prompts.items()}
@@ -57,6 +60,28 @@ def test_triton_engine_steps_match_vanilla(tiny_llama_dir):
             if a.logits.shape[0] > 1:
                 assert rel(a.logits.roll(1, 0), b.logits) > 0.1
     assert tri.paths.eager == len(steps)
+    assert len(fused) == len(steps) * model.config.num_hidden_layers
+
+
+def test_rope_is_fused_only_where_the_backend_declares_it(tiny_llama_dir):
+    """VANILLA (no `fused_rope_append`) gets rotated q and k; its forward_rope refuses by name; a
+    model without layer regions keeps the rotation in the model on TRITON too."""
+    from tensorrt_llm._torch.models import load_target_model
+    assert TritonAttention.capabilities.fused_rope_append and not VanillaAttention.capabilities.fused_rope_append
+    with pytest.raises(ValueError, match="VANILLA does not fuse RoPE"):
+        VanillaAttention().forward_rope(*[None] * 8)
+    model = load_target_model(tiny_llama_dir, torch.float32, torch.device("cpu"), max_positions=256)
+    for layer in model.decoder_layers:
+        layer.regions = None
+    with pytest.raises(ValueError, match="unrotated q and k need the layer regions"):
+        model.decoder_layers[0].attention_inputs(torch.zeros(1, model.config.hidden_size), torch.zeros(1).long(),
+                                                 model.rotary.cos_sin(torch.zeros(1).long()), rotate=False)
+    tri = _engine(model, TritonAttention())
+    tri.backend.forward_rope = lambda *a: pytest.fail("a model without regions rotates q and k itself")
+    tri.kv.add_sequence(0, [5, 6, 7], 10)
+    tri.kv.ensure_capacity(0, 3)
+    with torch.inference_mode():
+        tri.forward([ForwardSegment(0, [5, 6, 7], 0, 1)])
 
 
 def test_prepare_fills_lengths_and_keeps_a_graphs_tensor():

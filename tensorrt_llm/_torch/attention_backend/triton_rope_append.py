@@ -1,0 +1,138 @@
+"""RoPE of q and k fused with the page-bounded paged-KV append (Triton): one launch per layer
+instead of a rotation kernel and an append kernel.
+
+One program per token t:
+    q_out[t]  = rope(q[t])                       (every query head)
+    cache[slot[t] // P, 0, :, slot[t] % P] = rope(k[t]),   plane 1 = v[t]
+where rope is the half rotation with the full-width signed tables of `RotaryEmbedding.cos_sin`
+(x * cos + [x2 | x1] * sin in float32, then the output dtype), exactly the rotation
+`compiled_regions.attention_inputs` applies. The write is bounded as `paged_append.py`'s op:
+a slot of -1 is skipped; a slot whose page is not in its request's block-table row (or is
+outside the pool) is refused, never written, and counted into `refused` [1] int32 (one per
+token: both planes are one write). A token's request is t // tokens_per_seq (uniform steps) or
+the request whose rows qo_indptr[b]..qo_indptr[b+1]-1 hold it (ragged).
+
+    q [T, Hq, D], k / v [T, Hkv, D]   heads and dims contiguous, any token stride (views of one
+                                      q|k|v GEMM output are read in place)
+    cos / sin [T, 1, D] float32       any token stride
+    kv_cache [pages, 2, Hkv, P, D]    the values' dtype
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate(x_ptr, heads, n_heads, d, dsw, cos, sin, D: tl.constexpr):
+    """rope of the rows x_ptr + heads * D + d (masked past n_heads), float32."""
+    ok = heads[:, None] < n_heads
+    x = tl.load(x_ptr + heads[:, None] * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
+    xs = tl.load(x_ptr + heads[:, None] * D + dsw[None, :], mask=ok, other=0.0).to(tl.float32)
+    return x * cos[None, :] + xs * sin[None, :]
+
+
+@triton.jit
+def _rope_append_kernel(q_ptr, stride_qt, k_ptr, stride_kt, v_ptr, stride_vt, cos_ptr, stride_cos, sin_ptr,
+                        stride_sin, out_ptr, cache_ptr, stride_cp, stride_cplane, slots_ptr, bt_ptr, stride_bt,
+                        width, qo_ptr, n_req, qps, pages, refused_ptr,
+                        HQ: tl.constexpr, HKV: tl.constexpr, HQ_P: tl.constexpr, HKV_P: tl.constexpr,
+                        D: tl.constexpr, PAGE: tl.constexpr, RAGGED: tl.constexpr, BLOCK_W: tl.constexpr,
+                        BLOCK_B: tl.constexpr):
+    t = tl.program_id(0)
+    d = tl.arange(0, D)
+    dsw = (d + D // 2) % D
+    cos = tl.load(cos_ptr + t * stride_cos + d)
+    sin = tl.load(sin_ptr + t * stride_sin + d)
+    hq = tl.arange(0, HQ_P)
+    q = _rotate(q_ptr + t * stride_qt, hq, HQ, d, dsw, cos, sin, D)
+    tl.store(out_ptr + t * HQ * D + hq[:, None] * D + d[None, :], q.to(out_ptr.dtype.element_ty),
+             mask=hq[:, None] < HQ)
+    slot = tl.load(slots_ptr + t)
+    if slot >= 0:
+        if RAGGED:    # requests whose rows end at or before t come before t's request
+            owner = 0
+            for b0 in range(0, n_req, BLOCK_B):
+                b = b0 + tl.arange(0, BLOCK_B)
+                ends = tl.load(qo_ptr + 1 + b, mask=b < n_req, other=2147483647)
+                owner += tl.sum((ends <= t).to(tl.int32))
+        else:
+            owner = t // qps
+        page = slot // PAGE
+        found = 0
+        for j0 in range(0, width, BLOCK_W):
+            j = j0 + tl.arange(0, BLOCK_W)
+            row = tl.load(bt_ptr + owner * stride_bt + j, mask=j < width, other=-1)
+            found += tl.sum((row == page).to(tl.int32))
+        if found > 0 and page < pages:
+            hk = tl.arange(0, HKV_P)
+            cell = cache_ptr + page * stride_cp + hk[:, None] * (PAGE * D) + (slot % PAGE) * D + d[None, :]
+            ok = hk[:, None] < HKV
+            k = _rotate(k_ptr + t * stride_kt, hk, HKV, d, dsw, cos, sin, D)
+            tl.store(cell, k.to(cache_ptr.dtype.element_ty), mask=ok)
+            v = tl.load(v_ptr + t * stride_vt + hk[:, None] * D + d[None, :], mask=ok, other=0.0)
+            tl.store(cell + stride_cplane, v.to(cache_ptr.dtype.element_ty), mask=ok)
+        else:
+            tl.atomic_add(refused_ptr, 1)
+
+
+def _heads_contiguous(name: str, x: torch.Tensor, heads: int, dim: int) -> None:
+    if x.dim() != 3 or x.shape[1:] != (heads, dim):
+        raise ValueError(f"{name} must be [T, {heads}, {dim}], got {tuple(x.shape)}")
+    if x.stride(2) != 1 or x.stride(1) != dim:
+        raise ValueError(f"{name} must have contiguous heads and dims (strides [*, {dim}, 1]), got {x.stride()}")
+
+
+def rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                qo_indptr: Optional[torch.Tensor], tokens_per_seq: int, refused: torch.Tensor) -> torch.Tensor:
+    """Rotated q [T, Hq, D] (a new contiguous tensor, q's dtype); rotated k and v written into
+    kv_cache at slot_mapping [T] int64 within each token's request's pages (module doc), refusals
+    added to refused [1] int32. block_tables [B, W] int32; qo_indptr [B + 1] int32 (ragged) or
+    None with tokens_per_seq = T / B. Nothing here reads the device."""
+    t_n, hq, dim = q.shape
+    pages, planes, hkv, page_size, width = kv_cache.shape if kv_cache.dim() == 5 else (0,) * 5
+    if kv_cache.dim() != 5 or planes != 2 or width != dim:
+        raise ValueError(f"kv_cache must be [pages, 2, Hkv, P, {dim}], got {tuple(kv_cache.shape)}")
+    if not kv_cache.is_contiguous() or kv_cache.dtype != q.dtype:
+        raise ValueError(f"kv_cache must be contiguous in q's dtype ({q.dtype}), got {kv_cache.dtype}")
+    if dim % 2 or dim & (dim - 1) or page_size & (page_size - 1):
+        raise ValueError(f"head_dim {dim} and page size {page_size} must be powers of two")
+    _heads_contiguous("q", q, hq, dim)
+    _heads_contiguous("k", k, hkv, dim)
+    _heads_contiguous("v", v, hkv, dim)
+    for name, x in (("k", k), ("v", v)):
+        if x.shape[0] != t_n:
+            raise ValueError(f"{name} holds {x.shape[0]} tokens, q {t_n}")
+    for name, x in (("cos", cos), ("sin", sin)):
+        if x.dtype != torch.float32 or x.shape != (t_n, 1, dim) or x.stride(2) != 1:
+            raise ValueError(f"{name} must be [{t_n}, 1, {dim}] float32 with contiguous dims, got "
+                             f"{tuple(x.shape)} {x.dtype}")
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (t_n,):
+        raise ValueError(f"slot_mapping must be [{t_n}] int64, got {tuple(slot_mapping.shape)} {slot_mapping.dtype}")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.stride(1) != 1:
+        raise ValueError(f"block_tables must be [B, W] int32 with contiguous rows, got "
+                         f"{tuple(block_tables.shape)} {block_tables.dtype}")
+    b_n = block_tables.shape[0]
+    if qo_indptr is not None:
+        if qo_indptr.dtype != torch.int32 or qo_indptr.shape != (b_n + 1,):
+            raise ValueError(f"qo_indptr must be [{b_n + 1}] int32, got {tuple(qo_indptr.shape)} {qo_indptr.dtype}")
+    elif tokens_per_seq < 1 or tokens_per_seq * b_n != t_n:
+        raise ValueError(f"tokens_per_seq {tokens_per_seq} does not split {t_n} tokens over {b_n} requests")
+    if refused.dtype != torch.int32 or refused.shape != (1,):
+        raise ValueError(f"refused must be [1] int32, got {tuple(refused.shape)} {refused.dtype}")
+    out = torch.empty(t_n, hq, dim, dtype=q.dtype, device=q.device)
+    if t_n == 0:
+        return out
+    w = block_tables.shape[1]
+    _rope_append_kernel[(t_n,)](
+        q, q.stride(0), k, k.stride(0), v, v.stride(0), cos, cos.stride(0), sin, sin.stride(0), out,
+        kv_cache, kv_cache.stride(0), kv_cache.stride(1), slot_mapping, block_tables, block_tables.stride(0), w,
+        qo_indptr if qo_indptr is not None else slot_mapping, b_n, max(tokens_per_seq, 1), pages, refused,
+        HQ=hq, HKV=hkv, HQ_P=triton.next_power_of_2(hq), HKV_P=triton.next_power_of_2(hkv), D=dim,
+        PAGE=page_size, RAGGED=qo_indptr is not None, BLOCK_W=min(triton.next_power_of_2(max(w, 1)), 256),
+        BLOCK_B=min(triton.next_power_of_2(b_n + 1), 256), num_warps=2)
+    return out

@@ -1,0 +1,143 @@
+"""RoPE of q and k fused with the page-bounded KV append (`triton_rope_append.py`; Triton's
+interpreter on the CPU).
+
+The kernel's q equals `RotaryEmbedding.apply` (the regions' rotation) and its cache equals the
+reference append (`reference_paged_kv_append`) of the rotated k and of v, for uniform and ragged
+steps (requests of 2, 4 and 1 tokens), float32 and bfloat16 (within one bf16 ulp); a -1 slot is
+skipped and not counted; a slot in another request's page, past the request's pages or outside
+the pool is refused (the cache keeps its bytes) and counted once per token. Negative controls:
+tables of the wrong positions move q far outside the tolerance; a plain scatter writes the
+foreign slot the kernel refuses. Validation names the argument. GPU: bf16 at SmolLM2's heads,
+eager and replayed in a CUDA graph, against the same references.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from tensorrt_llm._torch.attention_backend.interface import BAD_PAGE_INDEX, joint_planes, write_slots  # noqa: E402
+from tensorrt_llm._torch.attention_backend.paged_append import reference_paged_kv_append  # noqa: E402
+from tensorrt_llm._torch.attention_backend.triton_rope_append import rope_append  # noqa: E402
+from tensorrt_llm._torch.modules.rotary_embedding import RotaryEmbedding  # noqa: E402
+
+P = 4
+
+
+def _case(dtype=torch.float32, ragged=False, hq=6, hkv=3, d=16, dev="cpu", seed=0):
+    """Three requests on a 12-page pool. Request 0 owns pages 3, 7; request 1 page 5 (BAD past it);
+    request 2 page 9. Token slots (uniform: 2 tokens each; ragged: 2, 3, 1 tokens) include a -1, a
+    slot in request 0's page written by request 1 (foreign), one past the pool. Returns the kernel's
+    arguments, the rotary, and the tokens' (slot, owned) list."""
+    g = torch.Generator().manual_seed(seed)
+    tables = torch.tensor([[3, 7, BAD_PAGE_INDEX], [5, BAD_PAGE_INDEX, BAD_PAGE_INDEX],
+                           [9, BAD_PAGE_INDEX, BAD_PAGE_INDEX]], dtype=torch.int32)
+    if ragged:
+        slots = [(3 * P + 2, True), (3 * P + 3, True), (5 * P + 1, True), (7 * P + 0, False), (12 * P + 1, False),
+                 (9 * P + 2, True)]
+        qo, qps = torch.tensor([0, 2, 5, 6], dtype=torch.int32), 0
+    else:
+        slots = [(7 * P + 1, True), (-1, False), (5 * P + 1, True), (7 * P + 2, False), (9 * P + 0, True),
+                 (12 * P + 3, False)]
+        qo, qps = None, 2
+    t = len(slots)
+    rot = RotaryEmbedding(d, 1000.0, 256)
+    positions = torch.randint(0, 200, (t,), generator=g)
+    qkv = torch.randn(t, hq + 2 * hkv, d, generator=g).to(dtype)
+    q, k, v = qkv.split((hq, hkv, hkv), dim=1)          # views of one buffer, token stride (hq + 2 hkv) d
+    cos, sin = rot.cos_sin(positions)
+    cache = torch.randn(12, 2, hkv, P, d, generator=g).to(dtype)
+    to = lambda x: None if x is None else x.to(dev)      # noqa: E731
+    args = dict(q=to(q), k=to(k), v=to(v), cos=to(cos), sin=to(sin), kv_cache=to(cache),
+                slot_mapping=to(torch.tensor([s for s, _ in slots])), block_tables=to(tables), qo_indptr=to(qo),
+                tokens_per_seq=qps, refused=to(torch.zeros(1, dtype=torch.int32)))
+    return args, rot, slots
+
+
+def _expected(args, rot):
+    """(rotated q, the cache after the reference append of rotated k | v, its refusal count)."""
+    q = rot.apply(args["q"], args["cos"], args["sin"])
+    k = rot.apply(args["k"], args["cos"], args["sin"])
+    cache, refused = args["kv_cache"].clone(), torch.zeros_like(args["refused"])
+    reference_paged_kv_append(torch.cat((k, args["v"]), dim=1), joint_planes(cache), args["slot_mapping"],
+                              args["block_tables"], args["qo_indptr"], args["tokens_per_seq"], 0, refused)
+    return q, cache, refused
+
+
+def _close(a, b, dtype):
+    if dtype == torch.float32:
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    else:   # one bf16 ulp: the float32 products may round apart before the cast
+        torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=2 ** -7)
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotates_q_and_appends_owned_slots(ragged, dtype):
+    args, rot, slots = _case(dtype, ragged)
+    want_q, want_cache, want_refused = _expected(args, rot)
+    before = args["kv_cache"].clone()
+    out = rope_append(**args)
+    _close(out, want_q, dtype)
+    _close(args["kv_cache"], want_cache, dtype)
+    assert int(args["refused"]) == int(want_refused) == sum(s >= 0 and not ok for s, ok in slots) == 2
+    for s, ok in slots:               # refused and skipped slots keep their bytes
+        if s >= 0 and not ok and s < 12 * P:
+            assert torch.equal(args["kv_cache"][s // P, :, :, s % P], before[s // P, :, :, s % P])
+    # a second call accumulates into the counter (never zeroed)
+    rope_append(**args)
+    assert int(args["refused"]) == 4
+
+
+def test_negative_controls_land_far_outside():
+    args, rot, slots = _case()
+    want_q, want_cache, _ = _expected(args, rot)
+    shifted = dict(args, cos=torch.roll(args["cos"], 1, 0), sin=torch.roll(args["sin"], 1, 0))
+    assert (rope_append(**shifted) - want_q).abs().max() > 0.1
+    naive = args["kv_cache"].clone()   # a plain scatter writes the foreign slot the kernel refuses
+    k = rot.apply(args["k"], args["cos"], args["sin"])
+    write_slots(joint_planes(naive)[:, 0], torch.cat((k, args["v"]), dim=1),
+                torch.where(args["slot_mapping"] < 12 * P, args["slot_mapping"], -1))
+    foreign = [s for s, ok in slots if s >= 0 and not ok and s < 12 * P][0]
+    assert (naive[foreign // P, :, :, foreign % P] - want_cache[foreign // P, :, :, foreign % P]).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda a: a.update(cos=a["cos"].double()), "cos must be"),
+    (lambda a: a.update(k=a["k"][:3]), "k must be|k holds 3 tokens"),
+    (lambda a: a.update(v=a["v"].transpose(1, 2)), "v must be"),
+    (lambda a: a.update(kv_cache=a["kv_cache"][:, :1]), "kv_cache must be"),
+    (lambda a: a.update(slot_mapping=a["slot_mapping"].int()), "slot_mapping must be"),
+    (lambda a: a.update(block_tables=a["block_tables"].long()), "block_tables must be"),
+    (lambda a: a.update(tokens_per_seq=4), "tokens_per_seq 4 does not split 6 tokens over 3 requests"),
+    (lambda a: a.update(refused=a["refused"].long()), "refused must be"),
+])
+def test_bad_inputs_name_the_argument(change, message):
+    args, _, _ = _case()
+    change(args)
+    with pytest.raises(ValueError, match=message):
+        rope_append(**args)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("ragged", [False, True])
+def test_gpu_bf16_eager_and_in_a_graph(ragged):
+    args, rot, slots = _case(torch.bfloat16, ragged, hq=9, hkv=3, d=64, dev="cuda")
+    want_q, want_cache, _ = _expected(args, rot)
+    start = args["kv_cache"].clone()
+    out = rope_append(**args)
+    _close(out, want_q, torch.bfloat16)
+    _close(args["kv_cache"], want_cache, torch.bfloat16)
+    assert int(args["refused"]) == 2
+    args["kv_cache"].copy_(start)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = rope_append(**args)
+    args["kv_cache"].copy_(start)
+    graph.replay()
+    torch.cuda.synchronize()
+    _close(captured, want_q, torch.bfloat16)
+    _close(args["kv_cache"], want_cache, torch.bfloat16)
+    assert int(args["refused"]) == 4          # the capture ran nothing; the replay counted 2 more
