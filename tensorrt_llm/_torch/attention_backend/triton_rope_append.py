@@ -10,7 +10,8 @@ where rope is the half rotation with the full-width signed tables of `RotaryEmbe
 a slot of -1 is skipped; a slot whose page is not in its request's block-table row (or is
 outside the pool) is refused, never written, and counted into `refused` [1] int32 (one per
 token: both planes are one write). A token's request is t // tokens_per_seq (uniform steps) or
-the request whose rows qo_indptr[b]..qo_indptr[b+1]-1 hold it (ragged).
+the request whose rows qo_indptr[b]..qo_indptr[b+1]-1 hold it (ragged; rows past qo_indptr[B], a
+captured step's padding, are the last request's).
 
     q [T, Hq, D], k / v [T, Hkv, D]   heads and dims contiguous, any token stride (views of one
                                       q|k|v GEMM output are read in place)
@@ -53,12 +54,13 @@ def _rope_append_kernel(q_ptr, stride_qt, k_ptr, stride_kt, v_ptr, stride_vt, co
              mask=hq[:, None] < HQ)
     slot = tl.load(slots_ptr + t)
     if slot >= 0:
-        if RAGGED:    # requests whose rows end at or before t come before t's request
-            owner = 0
+        if RAGGED:    # requests whose rows end at or before t come before t's request; rows past
+            owner = 0   # the last request's (padding) are the last request's, as in the C++ op
             for b0 in range(0, n_req, BLOCK_B):
                 b = b0 + tl.arange(0, BLOCK_B)
                 ends = tl.load(qo_ptr + 1 + b, mask=b < n_req, other=2147483647)
                 owner += tl.sum((ends <= t).to(tl.int32))
+            owner = tl.minimum(owner, n_req - 1)
         else:
             owner = t // qps
         page = slot // PAGE

@@ -3,7 +3,7 @@ interpreter on the CPU).
 
 The kernel's q equals `RotaryEmbedding.apply` (the regions' rotation) and its cache equals the
 reference append (`reference_paged_kv_append`) of the rotated k and of v, for uniform and ragged
-steps (requests of 2, 4 and 1 tokens), float32 and bfloat16 (within one bf16 ulp); a -1 slot is
+steps (requests of 2, 3 and 1 tokens; padding rows past the last request are its own), float32 and bfloat16 (within one bf16 ulp); a -1 slot is
 skipped and not counted; a slot in another request's page, past the request's pages or outside
 the pool is refused (the cache keeps its bytes) and counted once per token. Negative controls:
 tables of the wrong positions move q far outside the tolerance; a plain scatter writes the
@@ -88,6 +88,19 @@ def test_rotates_q_and_appends_owned_slots(ragged, dtype):
     # a second call accumulates into the counter (never zeroed)
     rope_append(**args)
     assert int(args["refused"]) == 4
+
+
+def test_rows_past_the_last_request_are_its_own():
+    """A captured step's padding rows (past qo_indptr[B]) belong to the last request, as in the C++ op:
+    the last row's slot is in request 2's page while request 2 has no rows of its own."""
+    args, rot, slots = _case(ragged=True)
+    args["qo_indptr"] = torch.tensor([0, 2, 5, 5], dtype=torch.int32)
+    want_q, want_cache, want_refused = _expected(args, rot)
+    before = args["kv_cache"][9, :, :, 2].clone()
+    rope_append(**args)
+    torch.testing.assert_close(args["kv_cache"], want_cache, rtol=1e-6, atol=1e-6)
+    assert int(args["refused"]) == int(want_refused) == 2
+    assert (args["kv_cache"][9, :, :, 2] - before).abs().max() > 0.1      # written
 
 
 def test_negative_controls_land_far_outside():
