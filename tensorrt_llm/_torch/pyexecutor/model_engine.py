@@ -133,9 +133,11 @@ class ModelEngine:
         return launch
 
     @torch.inference_mode()
-    def forward(self, segments: Sequence[ForwardSegment]) -> ForwardOutput:
+    def forward(self, segments: Sequence[ForwardSegment], prompt_segments: int = 0) -> ForwardOutput:
         """The target forward of the step's segments: logits of the wanted rows, captured rows.
-        A step with continued segments (`start_shift`) runs the whole-step graph or `_continued`."""
+        A step with continued segments (`start_shift`) runs the whole-step graph or `_continued`.
+        The first `prompt_segments` are prompt chunks: the packed-step graph writes their draft
+        context when it carries the drafter's writer (`ForwardOutput.context_segments`)."""
         if any(s.start_shift is not None for s in segments):
             check_continued(segments, self.backend)
             self.num_continued_steps += 1
@@ -150,7 +152,7 @@ class ModelEngine:
             if out is not None:
                 self.paths.target_graph += 1
                 return out
-            out = self.packed.run(segments) if self.packed is not None else None
+            out = self.packed.run(segments, prompt_segments) if self.packed is not None else None
             if out is not None:
                 self.paths.packed_graph += 1
                 return out

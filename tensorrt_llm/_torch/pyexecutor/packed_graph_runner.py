@@ -9,7 +9,7 @@ arrival step on the H200 spent ~15-19 ms, most of it on the host). A backend dec
 only on device tensors staged with one copy. Per token bucket T, one graph over R = min(T,
 max_requests) request rows::
 
-    io (int64 words): [ input_ids (T) | positions (T) | slot_mapping (T) |
+    io (int64 words): [ input_ids (T) | positions (T) | slot_mapping (T) | draft_slots (T) |
                         int32: kv_lens (R) | qo_indptr (R + 1) | block_tables (R x W) ]
 
     real segments    : rows 0..n-1 packed in step order (request b: qo_indptr[b]..qo_indptr[b+1]-1)
@@ -17,7 +17,11 @@ max_requests) request rows::
     padding tokens   : rows n..T-1: position 0, slots in the scratch page (written, never read)
 
 The forward is the model's own (`model(...)`, attention inside): hidden [T, H] and the captured
-rows [T, c*H] are the graph's outputs; the logits of the wanted rows are computed after it. A
+rows [T, c*H] are the graph's outputs; the logits of the wanted rows are computed after it. With a
+drafter that writes context inside the forward (`context`, `Drafter.write_forward_context`) the
+graph also writes the draft context of the step's leading prompt chunks from their captured rows,
+at their target slots (the pools share page ids); every other row writes into the scratch page
+(`draft_slots`), so a prompt step needs no eager context write on the host. A
 step with a slot beyond its request's pages (written as -1: skipped) or more tokens than the
 largest bucket is declined (the engine runs it another way). Without CUDA graphs (`capture=False`)
 the same staging runs the forward directly.
@@ -34,6 +38,7 @@ import torch
 from ..attention_backend.interface import BAD_PAGE_INDEX, AttentionBackend, AttentionMetadata
 from ..runtime.cuda_graph import GraphCache, GraphEntry
 from ..runtime.step import ForwardOutput, ForwardSegment
+from ..speculative.interface import Drafter
 from .kv_cache.resource_manager import KVCacheManager
 from .piecewise_graph_runner import STARTUP_CAPTURE_TOKENS, pack_segments, segment_lengths, token_buckets
 
@@ -73,14 +78,18 @@ class PackedGraphRunner:
         self.graphs: GraphCache[_PackedEntry] = GraphCache(device, capture)
         self.num_steps = 0
         self.num_declined = 0
+        # writes the prompt chunks' draft context inside the graph; set before any capture
+        self.context: Optional[Drafter] = None
 
     def bucket_for(self, n: int) -> Optional[int]:
         return next((b for b in self.buckets if b >= n), None)
 
     @torch.inference_mode()
-    def run(self, segments: Sequence[ForwardSegment]) -> Optional[ForwardOutput]:
+    def run(self, segments: Sequence[ForwardSegment], prompt_segments: int = 0) -> Optional[ForwardOutput]:
         """The forward of `segments` packed in step order, or None when this runner declines the step
-        (more tokens than the largest bucket, or a slot beyond a request's pages)."""
+        (more tokens than the largest bucket, or a slot beyond a request's pages). The first
+        `prompt_segments` are prompt chunks: with `context` set, their draft context is written too
+        (`ForwardOutput.context_segments`)."""
         lens = segment_lengths(segments)
         n, b = sum(lens), len(segments)
         t = self.bucket_for(n)
@@ -97,10 +106,12 @@ class PackedGraphRunner:
         e = self.graphs.entry(t, lambda: self._new_entry(t))
         if e.copied is not None:
             e.copied.synchronize()     # the previous step of this bucket has left the staging buffer
-        ids, pos, slot, lens_v, qo, table = e.host_views
+        ids, pos, slot, dslot, lens_v, qo, table = e.host_views
         packed = pack_segments(segments, lens, ids, pos)
         slot[:n] = slots
         self._pad_rows(e, n)
+        prompt_rows = sum(lens[:prompt_segments]) if self.context is not None else 0
+        dslot[:prompt_rows] = slots[:prompt_rows]
         lens_v[:b] = starts + np.asarray(lens, dtype=np.int64)
         lens_v[b:] = 0
         qo[0] = 0
@@ -115,14 +126,16 @@ class PackedGraphRunner:
             e.copied.record()
         hidden, captured = self.graphs.replay(e, self._forward)
         self.num_steps += 1
-        return packed.output(self.model, hidden[:n], captured[:n] if captured is not None else None)
+        out = packed.output(self.model, hidden[:n], captured[:n] if captured is not None else None)
+        out.context_segments = prompt_segments if self.context is not None else 0
+        return out
 
     @torch.inference_mode()
     def capture_all(self) -> int:
         """Capture every token bucket up to `STARTUP_CAPTURE_TOKENS` now, on padding rows only (the engine
         calls it once at startup; larger buckets at their first step). Returns how many were captured."""
         def stage(e: _PackedEntry) -> None:
-            ids, pos, _, lens_v, qo, _ = e.host_views
+            ids, pos, _, _, lens_v, qo, _ = e.host_views
             ids[:] = 0
             pos[:] = 0
             self._pad_rows(e, 0)
@@ -133,24 +146,27 @@ class PackedGraphRunner:
                    for t in self.buckets if t <= STARTUP_CAPTURE_TOKENS)
 
     def _pad_rows(self, e: _PackedEntry, n: int) -> None:
-        """Padding tokens n..T-1 write into the scratch page; padding requests own only it (their rows
+        """Padding tokens n..T-1 write into the scratch page, and every row's draft context (the
+        caller then points the prompt rows at their slots); padding requests own only it (their rows
         are rewritten over the real ones' by the next step's staging)."""
-        _, _, slot, _, _, table = e.host_views
+        _, _, slot, dslot, _, _, table = e.host_views
         p = self.kv.tokens_per_block
-        slot[n:] = self.scratch_page * p + np.arange(e.tokens - n, dtype=np.int64) % p
+        scratch = self.scratch_page * p + np.arange(e.tokens, dtype=np.int64) % p
+        slot[n:] = scratch[n:]
+        dslot[:] = scratch
         table[:] = BAD_PAGE_INDEX
         table[:, 0] = self.scratch_page
 
     def _new_entry(self, t: int) -> _PackedEntry:
         r, width, dev = min(t, self.max_requests), self.kv.max_blocks_per_seq, self.device
-        n32 = r + (r + 1) + r * width                     # int32 values after the 3T int64 words
-        words = 3 * t + -(-n32 // 2)
+        n32 = r + (r + 1) + r * width                     # int32 values after the 4T int64 words
+        words = 4 * t + -(-n32 // 2)
         io = torch.zeros(words, dtype=torch.long, device=dev)
         host = torch.zeros(words, dtype=torch.long, pin_memory=dev.type == "cuda")
         dv, hv = self._views(io, t, r, width), self._views(host, t, r, width)
-        md = AttentionMetadata(seq_lens=[0] * r, num_cached=[0] * r, block_tables=dv[5], slot_mapping=dv[2],
-                               tokens_per_block=self.kv.tokens_per_block, causal=True, kv_lens_device=dv[3],
-                               kv_len_bound=width * self.kv.tokens_per_block, qo_indptr_device=dv[4],
+        md = AttentionMetadata(seq_lens=[0] * r, num_cached=[0] * r, block_tables=dv[6], slot_mapping=dv[2],
+                               tokens_per_block=self.kv.tokens_per_block, causal=True, kv_lens_device=dv[4],
+                               kv_len_bound=width * self.kv.tokens_per_block, qo_indptr_device=dv[5],
                                max_q_bound=t, slots_all_valid=True)
         self.backend.prepare(md)
         if self.graphs.capture:
@@ -160,13 +176,16 @@ class PackedGraphRunner:
 
     @staticmethod
     def _views(buf: torch.Tensor, t: int, r: int, width: int) -> tuple[torch.Tensor, ...]:
-        """(input_ids [T], positions [T], slot_mapping [T] int64; kv_lens [R], qo_indptr [R + 1],
-        block_tables [R, W] int32) views of an io buffer."""
-        i32 = buf[3 * t:].view(torch.int32)
-        return (buf[:t], buf[t:2 * t], buf[2 * t:3 * t], i32[:r], i32[r:2 * r + 1],
+        """(input_ids [T], positions [T], slot_mapping [T], draft_slots [T] int64; kv_lens [R],
+        qo_indptr [R + 1], block_tables [R, W] int32) views of an io buffer."""
+        i32 = buf[4 * t:].view(torch.int32)
+        return (buf[:t], buf[t:2 * t], buf[2 * t:3 * t], buf[3 * t:4 * t], i32[:r], i32[r:2 * r + 1],
                 i32[2 * r + 1:2 * r + 1 + r * width].view(r, width))
 
     def _forward(self, e: _PackedEntry) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         ids, pos = e.io[:e.tokens], e.io[e.tokens:2 * e.tokens]
         hidden, captured = self.model(ids, pos, self.kv_caches, e.md, self.backend, self.capture_layer_ids)
-        return hidden, (torch.cat(captured, dim=-1) if captured else None)
+        cap = torch.cat(captured, dim=-1) if captured else None
+        if self.context is not None and cap is not None:
+            self.context.write_forward_context(cap, pos, e.io[3 * e.tokens:4 * e.tokens])
+        return hidden, cap

@@ -227,7 +227,7 @@ class PyExecutor:
             self.prompt_steps += int(num_ctx > 0)
             try:   # a steady-state DSpark step runs as one graph; any other step the target forward
                 launch = self.engine.forward_spec(reqs, segments) if self.drafter is not None and not num_ctx else None
-                out = launch.out if launch is not None else self.engine.forward(segments)
+                out = launch.out if launch is not None else self.engine.forward(segments, num_ctx)
             except Exception as e:   # not a device fault: fail this step's requests, keep serving
                 if is_device_fault(e):
                     raise
@@ -236,6 +236,8 @@ class PyExecutor:
                 self._complete_spec_inflight()
                 self._retire_finished()
                 return
+            for seg in segments[:out.context_segments]:   # the forward wrote their draft context
+                self.kv.mark_draft_written(seg.request_id, seg.start + len(seg.token_ids))
             if self.overlap:
                 self._launch_overlapped(reqs, segments, num_ctx, out)
             else:

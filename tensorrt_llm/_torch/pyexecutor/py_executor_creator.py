@@ -101,6 +101,8 @@ def create_py_executor(args: TorchLlmArgs, tokenizer: TokenizerWrapper) -> Execu
     if drafter is not None:
         drafter.bind(kv, sampler)
         drafter.enable_device_drafts(args.max_batch_size, cuda_graphs=args.use_cuda_graph)
+        if engine.packed is not None and drafter.writes_forward_context:
+            engine.packed.context = drafter     # prompt steps' draft context inside the packed graph
         one_graph = _enable_spec_step(engine, drafter, args.max_batch_size)
         drafter_report = drafter.describe()
     executor = PyExecutor(engine, sched, sampler, kv, tokenizer.decode, drafter,

@@ -38,6 +38,9 @@ class ForwardOutput:
     logits_offsets: list[int]             # row offset of each segment's logits
     captured: Optional[torch.Tensor]      # [T, n*H] captured target hidden (concat), or None
     token_offsets: list[int]              # first row of each segment's tokens in `captured`
+    # the leading prompt segments whose draft context this forward wrote (the packed-step graph with
+    # the drafter's `write_forward_context`); the drafter writes the others' after the step
+    context_segments: int = 0
 
 
 class StepCommit(NamedTuple):

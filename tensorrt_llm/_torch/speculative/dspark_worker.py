@@ -271,23 +271,33 @@ class DSparkWorker(Drafter):
                        captured: torch.Tensor) -> Optional[DraftsAhead]:
         if self.graph_runner is None or not commits:
             return None
-        self._write_context(commits, captured)
+        self._write_context(self._unwritten(commits), captured)
         self._mark_written(commits)        # an arrival the launch leaves out does not write it again
         return self._launch_last_rows(commits, anchors, captured)
 
+    @property
+    def writes_forward_context(self) -> bool:
+        return True
+
+    def write_forward_context(self, captured: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        feats = self.drafter.context_features(captured)
+        self.drafter.write_context(feats, positions, slots, self.kv_caches, self.backend, slots_valid=True)
+
     def _eager_draft(self, commits: Sequence[StepCommit], captured: torch.Tensor) -> None:
-        """The draft step without CUDA graphs: any mix of context chunks, clamps and sampling. The
-        context of commits already written (an arrival `draft_arrivals` wrote but did not launch) is
-        not written again."""
-        kv = self.kv
-        self._write_context([c for c in commits if kv.draft_written_tokens(c.req.request_id) < c.start + c.count],
-                            captured)
+        """The draft step without CUDA graphs: any mix of context chunks, clamps and sampling."""
+        self._write_context(self._unwritten(commits), captured)
         self._mark_written(commits)
         gen = [c for c in commits if c.req.state is RequestState.GENERATION and c.count]
         if gen:
             rest = self._launch_from_last(gen, captured)
             if rest:
                 self._draft(rest)
+
+    def _unwritten(self, commits: Sequence[StepCommit]) -> list[StepCommit]:
+        """The commits whose draft context is not written yet (the packed prompt graph writes its
+        prompts', an arrivals' launch writes those it then leaves out)."""
+        kv = self.kv
+        return [c for c in commits if kv.draft_written_tokens(c.req.request_id) < c.start + c.count]
 
     def _write_context(self, commits: Sequence[StepCommit], captured: torch.Tensor) -> None:
         """The draft context (K/V from the captured target rows) of the committed positions."""

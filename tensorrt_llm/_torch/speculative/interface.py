@@ -11,6 +11,7 @@ A step with a drafter, as `PyExecutor.step` runs it::
     accept    : per request, the tokens to append (capped at max_tokens) + acceptance stats
     kv.commit : verified tokens recorded; a block is published once its draft KV is written too
     draft     : the launched drafts attached; draft-context writes and drafts for the rest
+                (a prompt chunk's context may be written by the forward: `write_forward_context`)
 
 The executor imports only this module of `speculative/`; `create_drafter` builds the concrete
 drafter from its config.
@@ -105,6 +106,18 @@ class Drafter(ABC):
         are generating already. Returns what was launched, or None; `draft` handles the rest after the
         host update. A drafter that cannot launch early returns None."""
         return None
+
+    @property
+    def writes_forward_context(self) -> bool:
+        """`write_forward_context` runs here (after `bind`): the packed-step graph of the target
+        forward then writes its prompt rows' draft context itself."""
+        return False
+
+    def write_forward_context(self, captured: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """The draft context of a target forward's rows, inside that forward (its CUDA graph):
+        captured [T, n*H] hidden rows at positions [T] int64 into draft slots [T] int64. Every slot is
+        a real one (rows whose context is not wanted write into the scratch page); device ops only."""
+        raise ValueError(f"{type(self).__name__} does not write draft context inside the target forward")
 
     @abstractmethod
     def accept(self, req: LlmRequest, verified: Sequence[int], num_drafts: int) -> list[int]:

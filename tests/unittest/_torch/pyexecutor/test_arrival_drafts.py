@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from tensorrt_llm import SamplingParams
 from tensorrt_llm._torch.pyexecutor import py_executor
@@ -117,3 +118,70 @@ def test_an_arrival_left_out_of_the_launch_writes_its_context_once(make_llm, tin
     assert got == want
     assert left_out and written
     assert len(written) == len(set(written))
+
+
+def test_prompt_context_written_by_the_forward_is_not_written_again(make_llm, tiny_llama_dir, tiny_drafters,
+                                                                    monkeypatch):
+    """A forward that wrote its prompt chunks' draft context (the packed-step graph with the drafter's
+    writer; emulated here on the CPU's eager forward with the same `write_forward_context`) reports
+    them in `context_segments`: the executor marks them written and the drafter's own writes skip
+    every prompt position. Output equals no-spec greedy and the AL equals the run without the
+    emulation (the same context, written once). Control: without the marks, prompt positions are
+    written a second time."""
+    from tensorrt_llm._torch.attention_backend.interface import host_ints
+    from tensorrt_llm._torch.pyexecutor.model_engine import ModelEngine
+    from tensorrt_llm._torch.speculative.dspark_worker import DSparkWorker
+    rng = random.Random(4)
+    prompts = random_prompts(rng, 8)
+    params = [SamplingParams(max_tokens=rng.randrange(4, 24), ignore_eos=True) for _ in prompts]
+    want, _, _ = generate_run(make_llm, tiny_llama_dir, prompts, params, overlap=False)
+    _, plain, _ = generate_run(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters["gqa"], max_batch_size=3)
+    real_forward, real_write = ModelEngine.forward, DSparkWorker._write_context
+    prompt_positions, again, emulated = set(), [], []
+
+    def forward(self, segments, prompt_segments=0):
+        out = real_forward(self, segments, prompt_segments)
+        drafter, kv = self.test_drafter, self.kv
+        segs = segments[:prompt_segments]
+        slots = [s for seg in segs for s in kv.slots(seg.request_id, seg.start, len(seg.token_ids))]
+        if segs and -1 not in slots:
+            n = len(slots)
+            pos = [p for seg in segs for p in range(seg.start, seg.start + len(seg.token_ids))]
+            with torch.inference_mode():
+                drafter.write_forward_context(out.captured[:n], host_ints(pos, out.captured.device),
+                                              host_ints(slots, out.captured.device))
+            out.context_segments = prompt_segments
+            emulated.append(n)
+            prompt_positions.update((seg.request_id, p) for seg in segs
+                                    for p in range(seg.start, seg.start + len(seg.token_ids)))
+        return out
+
+    def spy(self, commits, captured):
+        again.extend((c.req.request_id, p) for c in commits for p in range(c.start, c.start + c.count))
+        return real_write(self, commits, captured)
+    monkeypatch.setattr(ModelEngine, "forward", forward)
+    monkeypatch.setattr(DSparkWorker, "_write_context", spy)
+    llm = make_llm(tiny_llama_dir, speculative_config={"decoding_type": "DSpark",
+                                                       "speculative_model": tiny_drafters["gqa"]},
+                   max_batch_size=3)
+    llm._executor.engine.test_drafter = llm._executor.drafter
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert emulated and prompt_positions and not prompt_positions & set(again)
+    assert llm.get_stats()["speculative"]["acceptance_length"] == plain["speculative"]["acceptance_length"]
+    # control: the executor's marks are what the drafter skips by
+    monkeypatch.setattr(ModelEngine, "forward", lambda self, segments, prompt_segments=0: _unmarked(
+        forward(self, segments, prompt_segments)))
+    prompt_positions.clear()
+    again.clear()
+    llm2 = make_llm(tiny_llama_dir, speculative_config={"decoding_type": "DSpark",
+                                                        "speculative_model": tiny_drafters["gqa"]},
+                    max_batch_size=3)
+    llm2._executor.engine.test_drafter = llm2._executor.drafter
+    llm2.generate(prompts, params)
+    assert prompt_positions & set(again)
+
+
+def _unmarked(out):
+    out.context_segments = 0
+    return out

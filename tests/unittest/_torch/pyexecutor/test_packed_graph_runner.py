@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 
 from tensorrt_llm._torch.attention_backend.triton_backend import TritonAttention  # noqa: E402
 from tensorrt_llm._torch.attention_backend.vanilla import VanillaAttention  # noqa: E402
+from tensorrt_llm._torch.pyexecutor.packed_graph_runner import PackedGraphRunner  # noqa: E402
 from tensorrt_llm._torch.runtime.step import ForwardSegment  # noqa: E402
 from tensorrt_llm._torch.runtime.token_rows import PendingTokens, VerifyTokens  # noqa: E402
 
@@ -119,6 +120,66 @@ def test_packed_steps_equal_eager_cpu(tiny_llama_dir):
         keep[scratch] = False
         assert torch.allclose(c[keep], c_ref[keep], atol=1e-5)
         assert not torch.equal(c[scratch], c0[scratch])          # the padding rows landed there
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_prompt_draft_context_is_written_inside_the_step(make_llm, tiny_llama_dir, tiny_drafters, kind):
+    """With the drafter's writer attached, a packed step writes the draft context of its leading
+    prompt chunks from their captured rows: equal to the drafter's eager write of the same commits
+    (the CPU runs every region eagerly), on every page but the scratch page, where every other row
+    lands. The step's generation segment (not a prompt) leaves its draft slots alone; negative
+    control: counted as a prompt, it writes them. ForwardOutput says which segments were written."""
+    from types import SimpleNamespace
+
+    from tensorrt_llm._torch.attention_backend.interface import stacked_layers
+    from tensorrt_llm._torch.runtime.step import StepCommit
+    from tests.unittest._torch.pyexecutor.spec_runs import dspark_spec
+    llm = make_llm(tiny_llama_dir, speculative_config=dspark_spec(tiny_drafters[kind]))
+    ex = llm._executor
+    engine, kv, drafter = ex.engine, ex.kv, ex.drafter
+    assert drafter.writes_forward_context
+    g = torch.Generator().manual_seed(1)
+    prompts = {0: torch.randint(3, 400, (13,), generator=g).tolist(), 1: torch.randint(3, 400, (21,), generator=g).tolist(),
+               2: torch.randint(3, 400, (9,), generator=g).tolist()}
+    for r, pr in prompts.items():
+        kv.add_sequence(r, pr, len(pr) + 24)
+        kv.ensure_capacity(r, len(pr) + 8)
+    runner = PackedGraphRunner(engine.model, kv, TritonAttention(), engine.kv_caches, engine.device, 64, 8,
+                               drafter.capture_layer_ids, capture=False)
+    runner.context = drafter
+    pool = stacked_layers(drafter.kv_caches)
+    scratch = runner.scratch_page
+    # two prompt chunks, then request 2 as if generating (4 tokens past its prompt)
+    segs = [ForwardSegment(0, prompts[0], 0, 1), ForwardSegment(1, prompts[1][:16], 0, 0),
+            ForwardSegment(2, prompts[2][:4], 9, 4)]
+    start = pool.clone()
+    with torch.inference_mode():
+        out = runner.run(segs, prompt_segments=2)
+        assert out.context_segments == 2
+        inside = pool.clone()
+        pool.copy_(start)
+        commits = [StepCommit(SimpleNamespace(request_id=s.request_id), out.token_offsets[i], s.start,
+                              len(s.token_ids)) for i, s in enumerate(segs[:2])]
+        drafter._write_context(commits, out.captured)
+        eager = pool.clone()
+    keep = torch.ones(pool.shape[1], dtype=torch.bool)
+    keep[scratch] = False
+    assert torch.allclose(inside[:, keep], eager[:, keep], atol=1e-6)
+    assert not torch.equal(eager[:, keep], start[:, keep])          # the prompts' context was written
+    assert not torch.equal(inside[:, scratch], start[:, scratch])   # the other rows landed in scratch
+    gen_slots = kv.slots(2, 9, 4)
+    pages, offs = [s // kv.tokens_per_block for s in gen_slots], [s % kv.tokens_per_block for s in gen_slots]
+    for pg, off in zip(pages, offs):                                 # the generation rows' slots: untouched
+        assert torch.equal(inside[:, pg, ..., off, :], start[:, pg, ..., off, :])
+    with torch.inference_mode():
+        pool.copy_(start)
+        runner.run(segs, prompt_segments=3)                          # control: request 2 as a prompt too
+    assert any(not torch.equal(pool[:, pg, ..., off, :], start[:, pg, ..., off, :]) for pg, off in zip(pages, offs))
+    runner.context = None                                            # without the writer: nothing written
+    with torch.inference_mode():
+        pool.copy_(start)
+        assert runner.run(segs, prompt_segments=2).context_segments == 0
+    assert torch.equal(pool, start)
 
 
 def test_engine_takes_packed_graphs_for_ragged_backends(tiny_llama_dir):

@@ -102,7 +102,7 @@ def test_device_fault_fails_queued_and_submitted_requests_and_later_calls_raise(
     ex = llm._executor
     in_forward, release = threading.Event(), threading.Event()
 
-    def faulty_forward(segments):
+    def faulty_forward(segments, prompt_segments=0):
         in_forward.set()
         release.wait(30)
         raise RuntimeError("CUDA error: an illegal memory access was encountered (simulated)")

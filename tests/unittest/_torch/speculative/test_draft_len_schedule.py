@@ -69,9 +69,9 @@ def test_steps_verify_the_scheduled_width_losslessly(make_llm, tiny_llama_dir, t
             if gen and len(gen) == len(segments):
                 seen.append((len(gen), set(gen)))
 
-        def forward(segments):
+        def forward(segments, prompt_segments=0):
             observe(segments)
-            return real(segments)
+            return real(segments, prompt_segments)
 
         def forward_spec(reqs, segments):     # the one-graph step (else `forward` runs the step)
             launch = real_spec(reqs, segments)
