@@ -9,7 +9,7 @@ it exports PYTHONPATH / FLASHINFER_WORKSPACE_BASE and puts the model, drafters a
   1. the last carry part + warm-up (flashinfer JIT into /tmp/fiws, HF torch.compile into /tmp, anchor):
      run(command=". examples/gpu/device_setup.sh && python3 examples/gpu/sidebyside.py --rounds 0 --anchor --out $OUT",
          carry=["carry/pN"], timeout_s=600)
-     (keep that call's $OUT: the anchor's table is in it; the anchor runs alone on the GPU, before the arms)
+     (keep that call's $OUT: the anchor's table is in it; the anchor runs alone on the GPU)
   2. the measurement (no carry: the tree without the drafter weights, ~2.5 MiB):
      run(command=". examples/gpu/device_setup.sh && python3 examples/gpu/sidebyside.py --out $OUT",
          carry=[], timeout_s=600)
@@ -19,7 +19,11 @@ it exports PYTHONPATH / FLASHINFER_WORKSPACE_BASE and puts the model, drafters a
   width: --spec-extra-yaml '{draft_len_schedule: {4: 8, 16: 4, 64: 2}}'.
 Rough time of (2) on one H200 at the 2026-12-01 speeds: ~60 s per round of the four arms, plus building
 the three engines and compiling HF (~1-2 min with warm caches); --deadline-s (default 540) starts no
-round that would end past it, and the JSON / markdown are rewritten after every round.
+round that would end past it, and the JSON / markdown are rewritten after every round. With --anchor in
+the measuring call, the anchor runs after the rounds (the arms closed) and the rounds keep
+--anchor-timeout-s (default 240) of the deadline free for it: on 2026-12-02 the build and warm-up of
+all four arms took ~200 s, a round ~30 s and the anchor ~205 s, so `--anchor` with the default deadline
+holds three rounds and the anchor in one call.
 Device time, measured 2026-12-02: a fresh machine is held ~110-160 s before the first call runs, the
 other three carry parts take ~10-20 s each, flashinfer's first-use JIT (the first FLASHINFER engine or
 GPU test on a fresh machine) 100 s or more (`--backend TRITON` for every arm avoids it), --anchor
@@ -94,7 +98,7 @@ def build_argv(a: argparse.Namespace) -> list[str]:
     if "nospec" in arms and len(arms) > 1:
         argv += ["--ratio-to", "nospec"]
     if a.anchor:
-        argv += ["--anchor", str(HERE / "compiled_step_anchor.py")]
+        argv += ["--anchor", str(HERE / "compiled_step_anchor.py"), "--anchor-timeout-s", str(a.anchor_timeout_s)]
     if a.out:
         argv += ["--out", a.out]
     if a.deadline_s:
@@ -124,7 +128,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True, help="use_cuda_graph")
     ap.add_argument("--kv-tokens", type=int, default=262144, help="kv_cache_config.max_tokens of each engine arm")
     ap.add_argument("--extra-yaml", default=None, help="YAML mapping merged into every engine arm's args")
-    ap.add_argument("--anchor", action="store_true", help="also run compiled_step_anchor.py once")
+    ap.add_argument("--anchor", action="store_true", help="also run compiled_step_anchor.py once, after the rounds")
+    ap.add_argument("--anchor-timeout-s", type=float, default=240, help="the anchor's limit, kept free of rounds")
     ap.add_argument("--deadline-s", type=float, default=540, help="see tensorrt_llm/bench/sidebyside.py")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)

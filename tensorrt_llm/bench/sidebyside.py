@@ -18,10 +18,11 @@ applied by the engine's tokenizer), so every arm sees the same prompts.
 Per arm and level the summary gives the median and min-max over rounds of output tok/s, TPOT and
 the acceptance length (AL, speculative arms), and the ratio of the median tok/s to that of a
 reference arm (``--ratio-to``). ``--anchor FILE`` also runs the compiled-step anchor script (a
-gpt-fast-style step, random weights) once in a subprocess and reports its step-only ceiling
-(batch x 1000 / decode-step ms). The JSON report and the markdown table are rewritten after
-every round, so a run cut short still leaves its complete rounds; ``--deadline-s`` starts no round
-that would end past it (judged by the last round's time).
+gpt-fast-style step, random weights) once in a subprocess, after the rounds (the arms' processes
+closed), and reports its step-only ceiling (batch x 1000 / decode-step ms). The JSON report and
+the markdown table are rewritten after every round, so a run cut short still leaves its complete
+rounds; ``--deadline-s`` starts no round that would end past it (judged by the last round's time),
+keeping ``--anchor-timeout-s`` of it for the anchor, which then gets what is left up to that.
 """
 from __future__ import annotations
 
@@ -204,7 +205,11 @@ def format_markdown(summary: Sequence[dict], anchor: Optional[dict] = None) -> s
 def run_anchor(script: str, shapes: Sequence[str] = ANCHOR_SHAPES, timeout_s: float = 420) -> dict:
     """Run the anchor script once; parse its last JSON line {"bs{B}-q{Q}": {"compiled_graph_ms", ...}}."""
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, script, *shapes], capture_output=True, text=True, timeout=timeout_s)
+    try:
+        proc = subprocess.run([sys.executable, script, *shapes], capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"script": Path(script).name, "shapes": list(shapes), "wall_s": time.perf_counter() - start,
+                "error": f"anchor did not finish within {timeout_s:.0f} s"}
     out = {"script": Path(script).name, "shapes": list(shapes), "returncode": proc.returncode,
            "wall_s": time.perf_counter() - start, "stdout_tail": proc.stdout[-2000:], "stderr_tail": proc.stderr[-2000:]}
     res = None
@@ -267,9 +272,7 @@ def run_sidebyside(args: argparse.Namespace, arms: Sequence[Arm], report_cb=None
         report["timeline"].append({"t_s": round(time.perf_counter() - t0, 1), "event": what})
         logger.warning("[sidebyside +%.0fs] %s", time.perf_counter() - t0, what)
 
-    if args.anchor:
-        report["anchor"] = run_anchor(args.anchor, args.anchor_shapes, args.anchor_timeout_s)
-        mark(f"anchor {'ERROR ' + report['anchor']['error'] if 'error' in report['anchor'] else 'done'}")
+    rounds_until = None if args.deadline_s is None else args.deadline_s - (args.anchor_timeout_s if args.anchor else 0)
     texts = load_prompt_texts(args.prompts_file, args.dataset, args.dataset_cache_dir) if arms else []
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0)
     engines: dict[str, _Engine] = {}
@@ -307,8 +310,9 @@ def run_sidebyside(args: argparse.Namespace, arms: Sequence[Arm], report_cb=None
             round_s = 0.0
             for r in range(args.rounds):
                 elapsed = time.perf_counter() - t0
-                if args.deadline_s is not None and r > 0 and elapsed + 1.1 * round_s > args.deadline_s:
-                    mark(f"stopped before round {r}: {elapsed:.0f} s + a {round_s:.0f} s round > --deadline-s")
+                if rounds_until is not None and r > 0 and elapsed + 1.1 * round_s > rounds_until:
+                    mark(f"stopped before round {r}: {elapsed:.0f} s + a {round_s:.0f} s round > --deadline-s"
+                         + (" less --anchor-timeout-s" if args.anchor else ""))
                     break
                 r0 = time.perf_counter()
                 for pos, arm in enumerate(rotated(arms, r)):
@@ -339,6 +343,15 @@ def run_sidebyside(args: argparse.Namespace, arms: Sequence[Arm], report_cb=None
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     report["summary"] = summarize(report["rows"], [a.name for a in arms], args.ratio_to)
+    if args.anchor:
+        left = args.anchor_timeout_s
+        if args.deadline_s is not None:
+            left = min(left, args.deadline_s - (time.perf_counter() - t0))
+        report["anchor"] = (run_anchor(args.anchor, args.anchor_shapes, left) if left > 0 else
+                            {"script": Path(args.anchor).name, "error": "not run: no time left before --deadline-s"})
+        mark(f"anchor {'ERROR ' + report['anchor']['error'] if 'error' in report['anchor'] else 'done'}")
+        if report_cb is not None:
+            report_cb(report)
     report["wall_s"] = time.perf_counter() - t0
     return report
 
@@ -381,7 +394,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--ratio-to", default=None, help="arm whose median tok/s the others are divided by")
     p.add_argument("--anchor", default=None, help="compiled-step anchor script to run once (CUDA)")
     p.add_argument("--anchor-shapes", nargs="+", default=list(ANCHOR_SHAPES))
-    p.add_argument("--anchor-timeout-s", type=float, default=420)
+    p.add_argument("--anchor-timeout-s", type=float, default=420,
+                   help="the anchor's time limit; with --deadline-s, also kept free of rounds for it")
     p.add_argument("--out", default=None, help="folder for sidebyside.json and sidebyside.md")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return p

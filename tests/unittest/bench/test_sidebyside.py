@@ -172,3 +172,45 @@ def test_deadline_stops_before_a_round_that_would_overrun(tiny_llama_dir, tmp_pa
     assert [(r["arm"], r["round"]) for r in rep["rows"]] == [("a", 0), ("b", 0)]   # round 0 always runs
     assert rep["timeline"][-1]["event"].startswith("stopped before round 1")
     assert [e["rounds"] for e in rep["summary"]] == [1, 1]
+
+
+def _fake_anchor(tmp_path, body="", name="anchor.py"):
+    fake = tmp_path / name
+    fake.write_text(textwrap.dedent("""\
+        import json, sys, time
+        {body}
+        print(json.dumps({{f"bs{{s.split('x')[0]}}-q{{s.split('x')[1]}}": {{"compiled_graph_ms": 1.0}}
+                          for s in sys.argv[1:]}}))
+        """).format(body=body))
+    return str(fake)
+
+
+def test_anchor_runs_after_the_rounds_in_the_time_they_leave(tiny_llama_dir, tmp_path):
+    """The anchor runs last (the arms' rounds first), in what --deadline-s leaves, and the rounds keep
+    --anchor-timeout-s of the deadline free for it; with no time left it is reported as not run. An
+    anchor past its limit is an error entry, not a crash."""
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps(["hello world"]))
+    engine = "{device: cpu, attn_backend: VANILLA, kv_cache_config: {max_tokens: 1024}}"
+    base = ["--model", str(tiny_llama_dir), "--prompts-file", str(prompts), "--concurrency", "1",
+            "--max-tokens", "2", "--min-requests", "1", "--anchor-shapes", "1x1", "4x1"]
+    args = sbs.make_parser().parse_args(base + ["--rounds", "2", "--anchor", _fake_anchor(tmp_path),
+                                                "--deadline-s", "1e6", "--anchor-timeout-s", "60"])
+    rep = sbs.run_sidebyside(args, [sbs.parse_arm(f"a={engine}")])
+    events = [t["event"] for t in rep["timeline"]]
+    assert [e.split(" (")[0] for e in events] == ["built + warmed a", "round 0 done", "round 1 done", "anchor done"]
+    assert [c["batch"] for c in rep["anchor"]["ceiling"]] == [1, 4]
+    # the rounds keep the anchor's time: a deadline inside it stops them after round 0
+    args = sbs.make_parser().parse_args(base + ["--rounds", "3", "--anchor", _fake_anchor(tmp_path),
+                                                "--deadline-s", "1e4", "--anchor-timeout-s", "1e4"])
+    rep = sbs.run_sidebyside(args, [sbs.parse_arm(f"a={engine}")])
+    assert [r["round"] for r in rep["rows"]] == [0]
+    assert rep["timeline"][-2]["event"].endswith("less --anchor-timeout-s")
+    assert "ceiling" in rep["anchor"]
+    # no time left: not run
+    args = sbs.make_parser().parse_args(base + ["--rounds", "1", "--anchor", _fake_anchor(tmp_path),
+                                                "--deadline-s", "1e-6"])
+    rep = sbs.run_sidebyside(args, [sbs.parse_arm(f"a={engine}")])
+    assert rep["anchor"]["error"].startswith("not run: no time left")
+    slow = sbs.run_anchor(_fake_anchor(tmp_path, "time.sleep(5)", "slow.py"), ["1x1"], timeout_s=0.5)
+    assert slow["error"].startswith("anchor did not finish within")

@@ -47,11 +47,12 @@ def test_build_argv_defaults(tmp_path):
     a = ex.argparse.Namespace(arms="nospec,gqa", model="/model", gqa="/g", mla="/m",
                               prompts_file=str(tmp_path / "none.json"), dataset_cache_dir=None, concurrency=[1, 16],
                               rounds=3, max_tokens=256, waves=2, min_requests=16, backend="FLASHINFER", graphs=True,
-                              kv_tokens=262144, extra_yaml=None, anchor=True, out=str(tmp_path), deadline_s=540,
-                              spec_backend=None, spec_extra_yaml=None)
+                              kv_tokens=262144, extra_yaml=None, anchor=True, anchor_timeout_s=240, out=str(tmp_path),
+                              deadline_s=540, spec_backend=None, spec_extra_yaml=None)
     argv = ex.build_argv(a)
     assert argv[argv.index("--concurrency") + 1:argv.index("--rounds")] == ["1", "16"]
     assert argv.count("--arm") == 2 and "--ratio-to" in argv and argv[argv.index("--ratio-to") + 1] == "nospec"
     assert "--dataset" in argv and "--prompts-file" not in argv          # the file does not exist
     assert argv[argv.index("--anchor") + 1].endswith("examples/gpu/compiled_step_anchor.py")
+    assert argv[argv.index("--anchor-timeout-s") + 1] == "240"
     assert argv[argv.index("--deadline-s") + 1] == "540"
