@@ -97,12 +97,17 @@ class TritonAttention(AttentionBackend):
             self.prepare(md)
         return md.extras
 
+    def _token_owners(self, md: AttentionMetadata) -> tuple[Optional[torch.Tensor], int]:
+        """(qo_indptr, tokens_per_seq) of the page-bounded appends: the ragged query offsets, or None
+        and the uniform tokens per request."""
+        qo = self._extras(md).get(QO_KEY)
+        return qo, 0 if qo is not None else md.seq_lens[0]
+
     def _write(self, kv_cache: torch.Tensor, plane: int, values: torch.Tensor, md: AttentionMetadata) -> None:
         ex = self._extras(md)
         if ops_loaded():   # the C++ op: one kernel, each slot checked against its request's pages
-            qo = ex.get(QO_KEY)
-            paged_kv_append(values, kv_cache, md.slot_mapping, md.block_tables, qo,
-                            0 if qo is not None else md.seq_lens[0], plane, self._counter(values.device))
+            paged_kv_append(values, kv_cache, md.slot_mapping, md.block_tables, *self._token_owners(md), plane,
+                            self._counter(values.device))
             return
         if not ex[VALID_KEY]:
             write_slots(kv_cache[:, plane], values, md.slot_mapping)
@@ -133,10 +138,9 @@ class TritonAttention(AttentionBackend):
         """Unrotated q [T, Hq, D], k / v [T, Hkv, D]: one launch rotates q and k and appends K/V within
         each request's pages (`triton_rope_append`; refusals counted as the C++ append's), then attention."""
         from .triton_rope_append import rope_append
-        md, ex = metadata, self._extras(metadata)
-        qo = ex.get(QO_KEY)
-        q = rope_append(q, k, v, cos, sin, kv_cache, md.slot_mapping, md.block_tables, qo,
-                        0 if qo is not None else md.seq_lens[0], self._counter(q.device))
+        md = metadata
+        q = rope_append(q, k, v, cos, sin, kv_cache, md.slot_mapping, md.block_tables, *self._token_owners(md),
+                        self._counter(q.device))
         return self._attend(q, kv_cache, md, scale, q.shape[-1], mla=False)
 
     def forward_mla(self, q, latent, kv_cache, metadata, scale, v_dim):

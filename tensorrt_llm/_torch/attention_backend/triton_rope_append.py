@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .paged_append import check_paged_kv_append
+
 
 @triton.jit
 def _rotate(x_ptr, heads, n_heads, d, dsw, cos, sin, D: tl.constexpr):
@@ -113,19 +115,11 @@ def rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
         if x.dtype != torch.float32 or x.shape != (t_n, 1, dim) or x.stride(2) != 1:
             raise ValueError(f"{name} must be [{t_n}, 1, {dim}] float32 with contiguous dims, got "
                              f"{tuple(x.shape)} {x.dtype}")
-    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (t_n,):
-        raise ValueError(f"slot_mapping must be [{t_n}] int64, got {tuple(slot_mapping.shape)} {slot_mapping.dtype}")
-    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.stride(1) != 1:
-        raise ValueError(f"block_tables must be [B, W] int32 with contiguous rows, got "
-                         f"{tuple(block_tables.shape)} {block_tables.dtype}")
     b_n = block_tables.shape[0]
-    if qo_indptr is not None:
-        if qo_indptr.dtype != torch.int32 or qo_indptr.shape != (b_n + 1,):
-            raise ValueError(f"qo_indptr must be [{b_n + 1}] int32, got {tuple(qo_indptr.shape)} {qo_indptr.dtype}")
-    elif tokens_per_seq < 1 or tokens_per_seq * b_n != t_n:
+    if qo_indptr is None and (tokens_per_seq < 1 or tokens_per_seq * b_n != t_n):
         raise ValueError(f"tokens_per_seq {tokens_per_seq} does not split {t_n} tokens over {b_n} requests")
-    if refused.dtype != torch.int32 or refused.shape != (1,):
-        raise ValueError(f"refused must be [1] int32, got {tuple(refused.shape)} {refused.dtype}")
+    # the append's own checks (slots, tables, query offsets, counter, devices, layouts: the C++ op's words)
+    check_paged_kv_append(k, kv_cache, slot_mapping, block_tables, qo_indptr, tokens_per_seq, 0, refused)
     out = torch.empty(t_n, hq, dim, dtype=q.dtype, device=q.device)
     if t_n == 0:
         return out
