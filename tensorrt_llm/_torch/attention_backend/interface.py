@@ -55,6 +55,16 @@ class BackendCapabilities:
     fused_rope_append: bool = False
 
 
+@dataclass(frozen=True)
+class HeadNorms:
+    """Per-head RMSNorms of q and k that `forward_rope` applies before the rotation (a q / k-normed
+    attention: the DSpark drafter's GQA layers). Weights [D] in the values' dtype, one eps."""
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float
+
+
 @dataclass
 class AttentionMetadata:
     """Per-step attention inputs (passed explicitly to every model forward).
@@ -149,10 +159,12 @@ class AttentionBackend(ABC):
         """
 
     def forward_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+                     kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+                     head_norms: Optional[HeadNorms] = None) -> torch.Tensor:
         """`forward` of unrotated q [T, Hq, D] and k [T, Hkv, D]: the backend rotates both with the
         half-rotation tables cos / sin [T, 1, D] (float32, `RotaryEmbedding.cos_sin`) as it writes
-        K/V. Only where `capabilities.fused_rope_append`."""
+        K/V, after their per-head RMSNorms when head_norms is given. Only where
+        `capabilities.fused_rope_append`."""
         raise ValueError(f"attention backend {self.name} does not fuse RoPE into its KV append")
 
     def forward_mla(self, q: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor,

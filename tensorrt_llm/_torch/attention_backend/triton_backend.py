@@ -134,13 +134,14 @@ class TritonAttention(AttentionBackend):
         write_kv(kv_cache, k, v, lambda cache, plane, x: self._write(cache, plane, x, metadata))
         return self._attend(q, kv_cache, metadata, scale, q.shape[-1], mla=False)
 
-    def forward_rope(self, q, k, v, cos, sin, kv_cache, metadata, scale):
-        """Unrotated q [T, Hq, D], k / v [T, Hkv, D]: one launch rotates q and k and appends K/V within
-        each request's pages (`triton_rope_append`; refusals counted as the C++ append's), then attention."""
+    def forward_rope(self, q, k, v, cos, sin, kv_cache, metadata, scale, head_norms=None):
+        """Unrotated q [T, Hq, D], k / v [T, Hkv, D]: one launch (per-head norms first with head_norms)
+        rotates q and k and appends K/V within each request's pages (`triton_rope_append`; refusals
+        counted as the C++ append's), then attention."""
         from .triton_rope_append import rope_append
         md = metadata
         q = rope_append(q, k, v, cos, sin, kv_cache, md.slot_mapping, md.block_tables, *self._token_owners(md),
-                        self._counter(q.device))
+                        self._counter(q.device), head_norms)
         return self._attend(q, kv_cache, md, scale, q.shape[-1], mla=False)
 
     def forward_mla(self, q, latent, kv_cache, metadata, scale, v_dim):

@@ -1,12 +1,15 @@
 """RoPE of q and k fused with the page-bounded paged-KV append (Triton): one launch per layer
-instead of a rotation kernel and an append kernel.
+instead of a rotation kernel and an append kernel (and, with `HeadNorms`, the per-head q / k
+RMSNorms before the rotation: the DSpark drafter's layers).
 
 One program per token t:
-    q_out[t]  = rope(q[t])                       (every query head)
-    cache[slot[t] // P, 0, :, slot[t] % P] = rope(k[t]),   plane 1 = v[t]
+    q_out[t]  = rope(norm_q(q[t]))                       (every query head)
+    cache[slot[t] // P, 0, :, slot[t] % P] = rope(norm_k(k[t])),   plane 1 = v[t]
 where rope is the half rotation with the full-width signed tables of `RotaryEmbedding.cos_sin`
 (x * cos + [x2 | x1] * sin in float32, then the output dtype), exactly the rotation
-`compiled_regions.attention_inputs` applies. The write is bounded as `paged_append.py`'s op:
+`compiled_regions.attention_inputs` applies, and norm_q / norm_k are the identity or `rms_norm`
+over each head (float32 statistics; the normed value rounded to x's dtype, times the weight,
+rounded again: `modules.rms_norm`'s order). The write is bounded as `paged_append.py`'s op:
 a slot of -1 is skipped; a slot whose page is not in its request's block-table row (or is
 outside the pool) is refused, never written, and counted into `refused` [1] int32 (one per
 token: both planes are one write). A token's request is t // tokens_per_seq (uniform steps) or
@@ -26,23 +29,38 @@ import torch
 import triton
 import triton.language as tl
 
+from .interface import HeadNorms
 from .paged_append import check_paged_kv_append
 
 
 @triton.jit
-def _rotate(x_ptr, heads, n_heads, d, dsw, cos, sin, D: tl.constexpr):
-    """rope of the rows x_ptr + heads * D + d (masked past n_heads), float32."""
+def _normed(x, w_ptr, idx, r, NORM: tl.constexpr):
+    """x [H, D] float32 times r [H] (the rows' rsqrt statistic), rounded to w's dtype, times the
+    weight at idx, rounded again; x as is without NORM."""
+    if NORM:
+        dt = w_ptr.dtype.element_ty
+        w = tl.load(w_ptr + idx).to(tl.float32)
+        return ((x * r[:, None]).to(dt).to(tl.float32) * w[None, :]).to(dt).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _rotate(x_ptr, heads, n_heads, d, dsw, cos, sin, w_ptr, eps, D: tl.constexpr, NORM: tl.constexpr):
+    """rope (after the per-head norm with weight w_ptr when NORM) of the rows x_ptr + heads * D + d
+    (masked past n_heads), float32."""
     ok = heads[:, None] < n_heads
     x = tl.load(x_ptr + heads[:, None] * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
     xs = tl.load(x_ptr + heads[:, None] * D + dsw[None, :], mask=ok, other=0.0).to(tl.float32)
-    return x * cos[None, :] + xs * sin[None, :]
+    r = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
+    return _normed(x, w_ptr, d, r, NORM) * cos[None, :] + _normed(xs, w_ptr, dsw, r, NORM) * sin[None, :]
 
 
 @triton.jit
 def _rope_append_kernel(q_ptr, stride_qt, k_ptr, stride_kt, v_ptr, stride_vt, cos_ptr, stride_cos, sin_ptr,
                         stride_sin, out_ptr, cache_ptr, stride_cp, stride_cplane, slots_ptr, bt_ptr, stride_bt,
-                        width, qo_ptr, n_req, qps, pages, refused_ptr,
-                        HQ: tl.constexpr, HKV: tl.constexpr, HQ_P: tl.constexpr, HKV_P: tl.constexpr,
+                        width, qo_ptr, n_req, qps, pages, refused_ptr, qn_ptr, kn_ptr, eps,
+                        NORM: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, HQ_P: tl.constexpr,
+                        HKV_P: tl.constexpr,
                         D: tl.constexpr, PAGE: tl.constexpr, RAGGED: tl.constexpr, BLOCK_W: tl.constexpr,
                         BLOCK_B: tl.constexpr):
     t = tl.program_id(0)
@@ -51,7 +69,7 @@ def _rope_append_kernel(q_ptr, stride_qt, k_ptr, stride_kt, v_ptr, stride_vt, co
     cos = tl.load(cos_ptr + t * stride_cos + d)
     sin = tl.load(sin_ptr + t * stride_sin + d)
     hq = tl.arange(0, HQ_P)
-    q = _rotate(q_ptr + t * stride_qt, hq, HQ, d, dsw, cos, sin, D)
+    q = _rotate(q_ptr + t * stride_qt, hq, HQ, d, dsw, cos, sin, qn_ptr, eps, D, NORM)
     tl.store(out_ptr + t * HQ * D + hq[:, None] * D + d[None, :], q.to(out_ptr.dtype.element_ty),
              mask=hq[:, None] < HQ)
     slot = tl.load(slots_ptr + t)
@@ -75,7 +93,7 @@ def _rope_append_kernel(q_ptr, stride_qt, k_ptr, stride_kt, v_ptr, stride_vt, co
             hk = tl.arange(0, HKV_P)
             cell = cache_ptr + page * stride_cp + hk[:, None] * (PAGE * D) + (slot % PAGE) * D + d[None, :]
             ok = hk[:, None] < HKV
-            k = _rotate(k_ptr + t * stride_kt, hk, HKV, d, dsw, cos, sin, D)
+            k = _rotate(k_ptr + t * stride_kt, hk, HKV, d, dsw, cos, sin, kn_ptr, eps, D, NORM)
             tl.store(cell, k.to(cache_ptr.dtype.element_ty), mask=ok)
             v = tl.load(v_ptr + t * stride_vt + hk[:, None] * D + d[None, :], mask=ok, other=0.0)
             tl.store(cell + stride_cplane, v.to(cache_ptr.dtype.element_ty), mask=ok)
@@ -92,11 +110,13 @@ def _heads_contiguous(name: str, x: torch.Tensor, heads: int, dim: int) -> None:
 
 def rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                qo_indptr: Optional[torch.Tensor], tokens_per_seq: int, refused: torch.Tensor) -> torch.Tensor:
+                qo_indptr: Optional[torch.Tensor], tokens_per_seq: int, refused: torch.Tensor,
+                head_norms: Optional[HeadNorms] = None) -> torch.Tensor:
     """Rotated q [T, Hq, D] (a new contiguous tensor, q's dtype); rotated k and v written into
     kv_cache at slot_mapping [T] int64 within each token's request's pages (module doc), refusals
     added to refused [1] int32. block_tables [B, W] int32; qo_indptr [B + 1] int32 (ragged) or
-    None with tokens_per_seq = T / B. Nothing here reads the device."""
+    None with tokens_per_seq = T / B; head_norms: q and k RMSNormed per head first. Nothing here
+    reads the device."""
     t_n, hq, dim = q.shape
     pages, planes, hkv, page_size, width = kv_cache.shape if kv_cache.dim() == 5 else (0,) * 5
     if kv_cache.dim() != 5 or planes != 2 or width != dim:
@@ -115,6 +135,13 @@ def rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
         if x.dtype != torch.float32 or x.shape != (t_n, 1, dim) or x.stride(2) != 1:
             raise ValueError(f"{name} must be [{t_n}, 1, {dim}] float32 with contiguous dims, got "
                              f"{tuple(x.shape)} {x.dtype}")
+    if head_norms is not None:
+        if not head_norms.eps > 0:
+            raise ValueError(f"head_norms.eps must be > 0, got {head_norms.eps}")
+        for name, w in (("q_weight", head_norms.q_weight), ("k_weight", head_norms.k_weight)):
+            if w.shape != (dim,) or w.dtype != q.dtype or w.device != q.device or w.stride(0) != 1:
+                raise ValueError(f"head_norms.{name} must be [{dim}] contiguous {q.dtype} on {q.device}, got "
+                                 f"{tuple(w.shape)} {w.dtype} on {w.device}")
     b_n = block_tables.shape[0]
     if qo_indptr is None and (tokens_per_seq < 1 or tokens_per_seq * b_n != t_n):
         raise ValueError(f"tokens_per_seq {tokens_per_seq} does not split {t_n} tokens over {b_n} requests")
@@ -128,7 +155,9 @@ def rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
         q, q.stride(0), k, k.stride(0), v, v.stride(0), cos, cos.stride(0), sin, sin.stride(0), out,
         kv_cache, kv_cache.stride(0), kv_cache.stride(1), slot_mapping, block_tables, block_tables.stride(0), w,
         qo_indptr if qo_indptr is not None else slot_mapping, b_n, max(tokens_per_seq, 1), pages, refused,
-        HQ=hq, HKV=hkv, HQ_P=triton.next_power_of_2(hq), HKV_P=triton.next_power_of_2(hkv), D=dim,
+        q if head_norms is None else head_norms.q_weight, q if head_norms is None else head_norms.k_weight,
+        1.0 if head_norms is None else float(head_norms.eps), NORM=head_norms is not None, HQ=hq, HKV=hkv,
+        HQ_P=triton.next_power_of_2(hq), HKV_P=triton.next_power_of_2(hkv), D=dim,
         PAGE=page_size, RAGGED=qo_indptr is not None, BLOCK_W=min(triton.next_power_of_2(max(w, 1)), 256),
         BLOCK_B=min(triton.next_power_of_2(b_n + 1), 256), num_warps=2)
     return out

@@ -8,6 +8,8 @@ The drafter's device step (`DraftGraphRunner.draft_rows`) is, per region::
     gqa_context_kv / mla_context_latents: the same for all layers at once, from stacked weights
                       (write_context when the draft pool's layers are one tensor: one GEMM, one write)
     gqa_attention_inputs: input_layernorm -> q|k|v GEMM -> q_norm, k_norm -> RoPE  (forward_block, per layer)
+    qkv             : input_layernorm -> q|k|v GEMM, the target's region unrotated (forward_block on a
+                      backend with `fused_rope_append`: the q / k norms and RoPE go in its KV append)
     mla_attention_inputs: input_layernorm -> q (q_a, norm, q_b) | latent -> RoPE -> q_nope W_UK
     output          : o_proj + residual -> norm -> gate|up SwiGLU -> down + residual (the target's region)
     greedy_drafts   : lm_head GEMM -> per draft: + Markov bias of the previous pick -> argmax (propose_greedy;
@@ -35,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention_backend.interface import device_positions
-from ..modules.compiled_regions import LayerRegions, layer_output, split_qkv
+from ..modules.compiled_regions import LayerRegions, attention_inputs, layer_output, split_qkv
 from ..modules.rms_norm import rms_norm
 from ..modules.rotary_embedding import rope_rotate
 
@@ -193,6 +195,7 @@ class DrafterRegions:
     output: Callable[..., torch.Tensor]
     greedy_drafts: Callable[..., torch.Tensor]
     draft_addressing: Callable[..., tuple[torch.Tensor, ...]]
+    qkv: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     compiled: bool
     triton_chain: bool = False     # greedy_drafts is `dspark_markov_kernel.greedy_drafts_triton`
 
@@ -206,7 +209,7 @@ class DrafterRegions:
             drafts = greedy_drafts_triton
         return DrafterRegions(features, gqa_project_kv, gqa_context_kv, mla_context_latents, gqa_attention_inputs,
                               mla_latent, mla_attention_inputs, layer_output, drafts, draft_addressing,
-                              compiled=False, triton_chain=triton_chain)
+                              attention_inputs, compiled=False, triton_chain=triton_chain)
 
     @staticmethod
     def inductor(triton_chain: bool = False) -> "DrafterRegions":
@@ -226,7 +229,8 @@ def _inductor_regions(triton_chain: bool) -> DrafterRegions:
         drafts = greedy_drafts_triton
     else:
         drafts = c(greedy_drafts)
+    target = LayerRegions.inductor()
     return DrafterRegions(c(features), c(gqa_project_kv), c(gqa_context_kv), c(mla_context_latents),
                           c(gqa_attention_inputs), c(mla_latent),
-                          c(mla_attention_inputs), LayerRegions.inductor().output, drafts,
-                          c(draft_addressing), compiled=True, triton_chain=triton_chain)
+                          c(mla_attention_inputs), target.output, drafts,
+                          c(draft_addressing), target.attention_inputs, compiled=True, triton_chain=triton_chain)

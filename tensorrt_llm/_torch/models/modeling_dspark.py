@@ -70,21 +70,39 @@ class DSparkDecoderLayer(nn.Module):
         self.regions: Optional[DrafterRegions] = None   # set with the fused projections (`use_regions`)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                md: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        """h: [T, hidden] -> [T, hidden]."""
+                md: AttentionMetadata, backend: AttentionBackend,
+                rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        """h: [T, hidden] -> [T, hidden]; rope as in `attention`."""
         r = self.regions
         if r is None:
             h = h + self.self_attn(self.input_layernorm(h), positions, kv_cache, md, backend)
             return h + self.mlp(self.post_attention_layernorm(h))
         n = self.post_attention_layernorm
-        return r.output(h, self.attention(h, positions, kv_cache, md, backend), self.self_attn.o_proj.weight,
+        return r.output(h, self.attention(h, positions, kv_cache, md, backend, rope), self.self_attn.o_proj.weight,
                         n.weight, n.eps, self.mlp._gate_up, self.mlp.down_proj.weight)
 
+    def fuses_rope_append(self, backend: AttentionBackend) -> bool:
+        """Whether this layer hands `backend` its q / k unnormed and unrotated (a GQA layer with
+        regions, half-rotation RoPE over the head, on a backend with `fused_rope_append`)."""
+        a = self.self_attn
+        return (backend.capabilities.fused_rope_append and self.regions is not None
+                and not isinstance(a, MLAAttention) and a.q_norm is not None and not a.rotary.interleaved
+                and a.rotary.rot_dim == a.head_dim)
+
     def attention(self, h: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                  md: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+                  md: AttentionMetadata, backend: AttentionBackend,
+                  rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         """h: [T, hidden] residual stream -> the heads' outputs [T, Hq * Dv] (before o_proj), the
-        attention inputs through the regions (un-absorbed MLA, the reference, through its module)."""
+        attention inputs through the regions (un-absorbed MLA, the reference, through its module).
+        rope: the block's (cos, sin) (`RotaryEmbedding.cos_sin`) where `fuses_rope_append`: the
+        backend norms, rotates and appends q / k in one launch (`forward_rope`)."""
         a, r, n = self.self_attn, self.regions, self.input_layernorm
+        if rope is not None:
+            if not self.fuses_rope_append(backend):
+                raise ValueError(f"a fused RoPE append needs a GQA layer with regions and q / k norms on a "
+                                 f"backend with fused_rope_append ({backend.name})")
+            q, k, v = r.qkv(h, n.weight, n.eps, *a._qkv, None, None, a.num_heads, a.num_kv_heads, a.head_dim)
+            return a.core(q, k, v, kv_cache, md, backend, rope, a.head_norms())
         cos_t, sin_t = a.rotary.tables(positions.device)
         if isinstance(a, MLAAttention):
             if not a.absorb:
@@ -280,13 +298,15 @@ class DSparkForCausalLMBase(nn.Module, ABC):
         embed, _ = self._target()
         h = embed(block_ids).to(self.norm.weight.dtype)
         derived: dict[Optional[int], AttentionMetadata] = {md.sliding_window: md}
+        # the block's rope tables gathered once, where the backend norms and rotates q / k in its append
+        rope = self.rotary.cos_sin(positions) if all(x.fuses_rope_append(backend) for x in self.layers) else None
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             window = self.config.layer_sliding_window(i)
             if window not in derived:
                 # Fresh extras: backend plan state depends on the mask, so plan this variant too.
                 derived[window] = dataclasses.replace(md, sliding_window=window, extras={})
                 backend.prepare(derived[window])
-            h = layer(h, positions, cache, derived[window], backend)
+            h = layer(h, positions, cache, derived[window], backend, rope)
         return self.norm(h)
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:

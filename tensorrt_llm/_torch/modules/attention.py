@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention_backend.interface import AttentionBackend, AttentionMetadata
+from ..attention_backend.interface import AttentionBackend, AttentionMetadata, HeadNorms
 from .rms_norm import RMSNorm
 from .rotary_embedding import RotaryEmbedding
 
@@ -94,15 +94,26 @@ class Attention(nn.Module):
         k, v = self.project_kv(x, positions)
         return self.rotary(q, positions), k, v
 
+    def head_norms(self) -> Optional[HeadNorms]:
+        """This layer's per-head q / k RMSNorms as a fused RoPE append applies them (None without)."""
+        if self.q_norm is None:
+            return None
+        return HeadNorms(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
              metadata: AttentionMetadata, backend: AttentionBackend,
-             rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+             rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+             head_norms: Optional[HeadNorms] = None) -> torch.Tensor:
         """New k / v written, paged attention of q: -> [T, Hq * D] (before o_proj).
 
         rope: (cos, sin) when q and k come unrotated: the backend rotates them in its KV append
-        (`forward_rope`, a backend with `capabilities.fused_rope_append`)."""
+        (`forward_rope`, a backend with `capabilities.fused_rope_append`), after this layer's per-head
+        q / k norms when head_norms is given (q and k then come unnormed too)."""
         if rope is not None:
-            return backend.forward_rope(q, k, v, *rope, kv_cache, metadata, self.scale).reshape(q.shape[0], -1)
+            return backend.forward_rope(q, k, v, *rope, kv_cache, metadata, self.scale,
+                                        head_norms).reshape(q.shape[0], -1)
+        if head_norms is not None:
+            raise ValueError("head_norms go with rope: only a fused RoPE append applies them")
         return backend.forward(q, k, v, kv_cache, metadata, self.scale).reshape(q.shape[0], -1)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,

@@ -7,8 +7,10 @@ steps (requests of 2, 3 and 1 tokens; padding rows past the last request are its
 skipped and not counted; a slot in another request's page, past the request's pages or outside
 the pool is refused (the cache keeps its bytes) and counted once per token. Negative controls:
 tables of the wrong positions move q far outside the tolerance; a plain scatter writes the
-foreign slot the kernel refuses. Validation names the argument. GPU: bf16 at SmolLM2's heads,
-eager and replayed in a CUDA graph, against the same references.
+foreign slot the kernel refuses. With `HeadNorms` (the drafter's per-head q / k RMSNorms before
+the rotation) q and the cache equal `rms_norm` then the rotation, within the same tolerances; the
+un-normed kernel lands far outside them. Validation names the argument. GPU: bf16 at SmolLM2's
+heads, eager and replayed in a CUDA graph, against the same references.
 """
 from __future__ import annotations
 
@@ -17,9 +19,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from tensorrt_llm._torch.attention_backend.interface import BAD_PAGE_INDEX, joint_planes, write_slots  # noqa: E402
+from tensorrt_llm._torch.attention_backend.interface import (  # noqa: E402
+    BAD_PAGE_INDEX, HeadNorms, joint_planes, write_slots)
 from tensorrt_llm._torch.attention_backend.paged_append import reference_paged_kv_append  # noqa: E402
 from tensorrt_llm._torch.attention_backend.triton_rope_append import rope_append  # noqa: E402
+from tensorrt_llm._torch.modules.rms_norm import rms_norm  # noqa: E402
 from tensorrt_llm._torch.modules.rotary_embedding import RotaryEmbedding  # noqa: E402
 
 P = 4
@@ -55,21 +59,33 @@ def _case(dtype=torch.float32, ragged=False, hq=6, hkv=3, d=16, dev="cpu", seed=
     return args, rot, slots
 
 
-def _expected(args, rot):
-    """(rotated q, the cache after the reference append of rotated k | v, its refusal count)."""
-    q = rot.apply(args["q"], args["cos"], args["sin"])
-    k = rot.apply(args["k"], args["cos"], args["sin"])
+def _norms(args, seed=1):
+    """Per-head norm weights around 1 (0.25..1.75) in the values' dtype, eps 1e-5."""
+    g = torch.Generator().manual_seed(seed)
+    d, x = args["q"].shape[-1], args["q"]
+    w = lambda: (0.25 + 1.5 * torch.rand(d, generator=g)).to(x.dtype).to(x.device)   # noqa: E731
+    return HeadNorms(w(), w(), 1e-5)
+
+
+def _expected(args, rot, norms=None):
+    """(rotated q, the cache after the reference append of rotated k | v, its refusal count); q and
+    k RMSNormed per head first with norms."""
+    q, k = args["q"], args["k"]
+    if norms is not None:
+        q, k = rms_norm(q, norms.q_weight, norms.eps), rms_norm(k, norms.k_weight, norms.eps)
+    q = rot.apply(q, args["cos"], args["sin"])
+    k = rot.apply(k, args["cos"], args["sin"])
     cache, refused = args["kv_cache"].clone(), torch.zeros_like(args["refused"])
     reference_paged_kv_append(torch.cat((k, args["v"]), dim=1), joint_planes(cache), args["slot_mapping"],
                               args["block_tables"], args["qo_indptr"], args["tokens_per_seq"], 0, refused)
     return q, cache, refused
 
 
-def _close(a, b, dtype):
+def _close(a, b, dtype, ulps=1):
     if dtype == torch.float32:
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
-    else:   # one bf16 ulp: the float32 products may round apart before the cast
-        torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=2 ** -7)
+    else:   # bf16 ulps: the float32 products may round apart before the cast
+        torch.testing.assert_close(a.float(), b.float(), rtol=ulps * 2 ** -7, atol=ulps * 2 ** -7)
 
 
 @pytest.mark.parametrize("ragged", [False, True])
@@ -88,6 +104,28 @@ def test_rotates_q_and_appends_owned_slots(ragged, dtype):
     # a second call accumulates into the counter (never zeroed)
     rope_append(**args)
     assert int(args["refused"]) == 4
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_norms_before_the_rotation(ragged, dtype):
+    """The drafter's q / k norms in the same launch: q and the cache equal rms_norm, then RoPE; the
+    un-normed kernel (control) lands far outside the tolerance."""
+    args, rot, slots = _case(dtype, ragged)
+    args["q"], args["k"] = args["q"] * 3, args["k"] * 3          # RMS ~3: the norm moves every value
+    norms = _norms(args)
+    want_q, want_cache, want_refused = _expected(args, rot, norms)
+    start = args["kv_cache"].clone()
+    out = rope_append(**args, head_norms=norms)
+    # bf16: the normed value is rounded before the rotation, so one ulp there (the float32
+    # statistic summed in another order) moves the output by up to ~2 ulps of its own scale
+    _close(out, want_q, dtype, ulps=4)
+    _close(args["kv_cache"], want_cache, dtype, ulps=4)
+    assert int(args["refused"]) == int(want_refused) == 2
+    args["kv_cache"].copy_(start)
+    plain = rope_append(**args)
+    assert (plain.float() - want_q.float()).abs().max() > 1.0
+    assert (args["kv_cache"].float() - want_cache.float()).abs().max() > 1.0
 
 
 def test_rows_past_the_last_request_are_its_own():
@@ -133,6 +171,16 @@ def test_bad_inputs_name_the_argument(change, message):
         rope_append(**args)
 
 
+def test_bad_head_norms_name_the_field():
+    args, _, _ = _case()
+    good = _norms(args)
+    for norms, message in ((HeadNorms(good.q_weight[:8], good.k_weight, 1e-5), r"head_norms.q_weight must be \[16\]"),
+                           (HeadNorms(good.q_weight, good.k_weight.double(), 1e-5), "head_norms.k_weight must be"),
+                           (HeadNorms(good.q_weight, good.k_weight, 0.0), "head_norms.eps must be > 0")):
+        with pytest.raises(ValueError, match=message):
+            rope_append(**args, head_norms=norms)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("ragged", [False, True])
@@ -154,3 +202,14 @@ def test_gpu_bf16_eager_and_in_a_graph(ragged):
     _close(captured, want_q, torch.bfloat16)
     _close(args["kv_cache"], want_cache, torch.bfloat16)
     assert int(args["refused"]) == 4          # the capture ran nothing; the replay counted 2 more
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_bf16_head_norms():
+    args, rot, _ = _case(torch.bfloat16, True, hq=9, hkv=3, d=64, dev="cuda")
+    norms = _norms(args)
+    want_q, want_cache, _ = _expected(args, rot, norms)
+    out = rope_append(**args, head_norms=norms)
+    _close(out, want_q, torch.bfloat16, ulps=4)
+    _close(args["kv_cache"], want_cache, torch.bfloat16, ulps=4)

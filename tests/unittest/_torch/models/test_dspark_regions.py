@@ -9,6 +9,9 @@ within 1e-5 (also with interleaved RoPE, and MLA with q_lora; GQA's K and V are 
 halves, one cache write for both); the inductor regions give the same draft ids, and hidden / pool
 writes / propose logits within 1e-4 relative (max error over max value), while the compiled drafter
 with one weight x3 (negative control) lands beyond 1e-2 (measured: ~0.6).
+On TRITON (Triton's interpreter) a GQA drafter's q / k norms and RoPE run in the backend's fused
+append (`forward_rope` with the layer's `HeadNorms`): the same drafts, hidden and pool writes within
+1e-5; without the norms (control) beyond 1e-2; MLA layers keep their regions.
 `LLM(torch_compile_config=...)` with a DSpark drafter reports the drafter's regions and its greedy
 output equals no-spec token for token; an FP8 drafter keeps its modules except `propose`; an
 unfused drafter is refused.
@@ -27,7 +30,7 @@ import torch
 from torch import nn
 
 from tensorrt_llm import SamplingParams
-from tensorrt_llm._torch.attention_backend.interface import AttentionBackend, joint_kv
+from tensorrt_llm._torch.attention_backend.interface import AttentionBackend, HeadNorms, joint_kv
 from tensorrt_llm._torch.attention_backend.vanilla import VanillaAttention
 from tensorrt_llm._torch.models.dspark_regions import DrafterRegions
 from tensorrt_llm._torch.models.modeling_dspark import DSparkForCausalLMBase
@@ -218,6 +221,45 @@ def test_gqa_attention_inputs_are_one_qkv_buffer(regions):
     assert k.data_ptr() == q.data_ptr() + hq * d_ * q.element_size() and joint_kv(k, v) is not None
     assert all(_rel(x, y) < 1e-5 for x, y in zip((q, k, v), want))
     assert joint_kv(k.clone(), v.clone()) is None
+
+
+def _spied_triton(calls: list, drop_norms: bool = False):
+    """A TRITON backend whose `forward_rope` records its head_norms (drop_norms: calls it without)."""
+    pytest.importorskip("triton")
+    from tensorrt_llm._torch.attention_backend.triton_backend import TritonAttention
+    tri = TritonAttention()
+    forward_rope = tri.forward_rope
+
+    def spy(*args):
+        calls.append(args[-1])
+        return forward_rope(*args[:-1], None if drop_norms else args[-1])
+    tri.forward_rope = spy
+    return tri
+
+
+def test_gqa_layers_hand_norms_and_rope_to_a_fusing_backend():
+    """On TRITON (`fused_rope_append`) a GQA drafter layer stops at input_layernorm + the q|k|v GEMM
+    and the backend norms q / k per head, rotates them and appends K/V in one launch (`forward_rope`
+    with the layer's `HeadNorms`): the step's drafts equal VANILLA's (the regions' own norms and
+    RoPE), its hidden and pool writes within 1e-5. Controls: the same launch without the norms is
+    far off; VANILLA refuses a fused layer by name; MLA layers keep their regions."""
+    d = _drafter("gqa", CPU, torch.float32)
+    want_rows, want_pool, want_hidden = _draft_step(d, VanillaAttention())
+    calls: list = []
+    rows, pool, hidden = _draft_step(d, _spied_triton(calls))
+    assert len(calls) == len(d.layers) and all(c == d.layers[i].self_attn.head_norms() for i, c in enumerate(calls))
+    assert all(isinstance(c, HeadNorms) for c in calls)
+    assert torch.equal(rows, want_rows) and _rel(pool, want_pool) < 1e-5 and _rel(hidden, want_hidden) < 1e-5
+    _, bad_pool, bad_hidden = _draft_step(d, _spied_triton([], drop_norms=True))
+    assert _rel(bad_hidden, want_hidden) > 1e-2 and _rel(bad_pool, want_pool) > 1e-2
+    layer, t = d.layers[0], 3
+    with pytest.raises(ValueError, match="fused_rope_append \\(VANILLA\\)"):
+        layer.attention(torch.zeros(t, HIDDEN), torch.arange(t), None, None, VanillaAttention(),
+                        d.rotary.cos_sin(torch.arange(t)))
+    m, mla_calls = _drafter("mla", CPU, torch.float32, qk_rope_head_dim=16), []
+    want_mla = _draft_step(m, VanillaAttention())
+    got_mla = _draft_step(m, _spied_triton(mla_calls))
+    assert mla_calls == [] and torch.equal(got_mla[0], want_mla[0]) and _rel(got_mla[2], want_mla[2]) < 1e-5
 
 
 @pytest.mark.parametrize("kind", ["gqa", "mla"])
