@@ -25,6 +25,7 @@ graphs (`capture=False`: the CPU) the same step runs directly on the batch as it
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -44,16 +45,32 @@ def torch_argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(-1)
 
 
-def greedy_verify(ids: torch.Tensor, logits: torch.Tensor, live: torch.Tensor,
-                  argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax) -> torch.Tensor:
-    """Greedy acceptance on the device (capturable): ids [B, q] int64 verify segments [anchor,
-    d1..d(q-1)], logits [B, q, V] their target logits (any float dtype), live [B] bool (False: a
-    padding row, which commits one token) -> [B, q] int64: argmax up to and including the first
-    mismatch, then -1. argmax: [N, V] -> [N] int64, torch's or `argmax_rows` (Triton, CUDA)."""
-    best = argmax(logits.reshape(-1, logits.shape[-1])).view(ids.shape)       # [B, q]
+def accept_rows(ids: torch.Tensor, best: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """ids [B, q] int64 verify segments [anchor, d1..d(q-1)], best [B, q] int64 the target's argmax
+    per row, live [B] bool (False: a padding row, which commits one token) -> [B, q] int64: best up
+    to and including the first mismatch, then -1. Pure, so inductor fuses it into one kernel."""
     accepted = (ids[:, 1:] == best[:, :-1]).long().cumprod(1).sum(1) * live    # [B] 0..q-1
     cols = torch.arange(ids.shape[1], device=ids.device)
     return torch.where(cols[None, :] <= accepted[:, None], best, -1)
+
+
+@functools.cache
+def compiled_accept_rows() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`accept_rows` compiled by inductor, once per process (a step with compiled regions)."""
+    from ..modules.inductor_passes import compile_region
+    return compile_region(accept_rows)
+
+
+def greedy_verify(ids: torch.Tensor, logits: torch.Tensor, live: torch.Tensor,
+                  argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax,
+                  accept: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = accept_rows
+                  ) -> torch.Tensor:
+    """Greedy acceptance on the device (capturable): ids [B, q] int64 verify segments, logits
+    [B, q, V] their target logits (any float dtype), live [B] bool -> [B, q] int64 (`accept_rows`).
+    argmax: [N, V] -> [N] int64, torch's or `argmax_rows` (Triton, CUDA); accept: `accept_rows`
+    or its compiled form."""
+    best = argmax(logits.reshape(-1, logits.shape[-1])).view(ids.shape)       # [B, q]
+    return accept(ids, best, live)
 
 
 @dataclass
@@ -90,6 +107,10 @@ class SpecStepGraph:
         if target.device.type == "cuda":
             from ..models.dspark_markov_kernel import argmax_rows
             self._argmax = argmax_rows
+        # with compiled regions (torch_compile_config: the drafter's say so) the acceptance after the
+        # argmax is one fused kernel instead of ~8 small ones
+        regions = draft.drafter.regions
+        self._accept = compiled_accept_rows() if regions is not None and regions.compiled else accept_rows
 
     def eligible(self, reqs: Sequence[LlmRequest], segments: Sequence[ForwardSegment]) -> bool:
         """Host-known per-request conditions (the target's plan adds the shape, bucket and page checks)."""
@@ -146,7 +167,7 @@ class SpecStepGraph:
         start = t.positions.view(t.bucket, t.q)[:, 0]      # host starts: 0 only on padding rows (a
         live = start > 0                                   # generating request has its prompt before)
         verified = greedy_verify(t.input_ids.view(t.bucket, t.q), logits.view(t.bucket, t.q, -1), live,
-                                 self._argmax)
+                                 self._argmax, self._accept)
         if t.shift is not None:
             start = start + t.shift
         return torch.cat([verified, self.draft.draft_rows(captured, verified, start, entry.block_md)], 1)

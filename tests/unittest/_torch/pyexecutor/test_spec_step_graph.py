@@ -1,7 +1,9 @@
 """The one-graph DSpark step (`SpecStepGraph`): target verify -> greedy acceptance -> draft step.
 
 `greedy_verify` equals the rejection sampler's greedy rows (random logits and drafts that match a
-random prefix of the argmax; control: one changed draft changes its row). End to end on the CPU
+random prefix of the argmax; control: one changed draft changes its row), and so does its
+acceptance compiled by inductor (`compiled_accept_rows`, what a step with compiled regions runs).
+End to end on the CPU
 (the same step code, run directly): with it and without it (target forward + rejection sampler +
 draft step apart) the outputs equal no-spec greedy token for token and the acceptance histograms
 are equal under oracle drafts; most steps take it. Negative control: committing one token past
@@ -65,6 +67,25 @@ def test_greedy_verify_over_bf16_logits_with_the_split_argmax():
     assert bool((want >= 0).sum(1).gt(1).any())                              # drafts were accepted
 
 
+def test_compiled_acceptance_equals_the_eager_one():
+    """With compiled regions the acceptance after the argmax is `accept_rows` through inductor: the
+    same committed rows on live and padding rows; control: a draft changed in one row changes
+    exactly that row."""
+    ids, logits = _verify_case(1)
+    b = ids.shape[0]
+    best = logits.argmax(-1)
+    compiled = spec_step_graph.compiled_accept_rows()
+    for live in (torch.ones(b, dtype=torch.bool), torch.arange(b) % 3 != 0):
+        want = spec_step_graph.accept_rows(ids, best, live)
+        assert torch.equal(compiled(ids, best, live), want)
+        assert torch.equal(spec_step_graph.greedy_verify(ids, logits, live, accept=compiled), want)
+    wrong = ids.clone()
+    wrong[b - 1, 1] = (best[b - 1, 0] + 1) % logits.shape[2]
+    live = torch.ones(b, dtype=torch.bool)
+    got, want = compiled(wrong, best, live), spec_step_graph.accept_rows(ids, best, live)
+    assert not torch.equal(got[b - 1], want[b - 1]) and torch.equal(got[:b - 1], want[:b - 1])
+
+
 def _off(engine) -> None:
     engine.spec_step = None
 
@@ -108,8 +129,8 @@ def test_committing_past_the_first_mismatch_is_seen(make_llm, tiny_llama_dir, ti
     want, _, _ = generate_run(make_llm, tiny_llama_dir, prompts, params, overlap=False)
     real = spec_step_graph.greedy_verify
 
-    def one_more(ids, logits, live, argmax):
-        v = real(ids, logits, live, argmax)
+    def one_more(ids, logits, live, argmax, accept):
+        v = real(ids, logits, live, argmax, accept)
         n = (v >= 0).sum(1)
         col = n.clamp(max=v.shape[1] - 1)
         v.scatter_(1, col[:, None], logits.argmax(-1).gather(1, col[:, None]))
