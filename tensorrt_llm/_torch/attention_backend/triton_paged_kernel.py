@@ -21,6 +21,10 @@ sized on the device from kv_lens[b]), writes its unnormalised output with its ru
 to a workspace, and a second kernel merges the splits. The split count depends on the launch
 shape only, so a captured graph keeps it.
 
+The page walk is software-pipelined (two stages: the next page's tile loads while this one is
+used) where two page tiles and the queries fit in `SMEM_BUDGET` of shared memory, which holds for
+GQA and for the 576-wide MLA latent up to 32-token pages (`_num_stages`).
+
 GQA cache [pages, 2, Hkv, P, D]: K = plane 0, V = plane 1, value width D.
 MLA cache [pages, 1, 1, P, R + r]: K = the whole latent (scores over the R latent dims plus the
 r rope dims), V = its first R dims.
@@ -146,6 +150,15 @@ def default_num_splits(programs: int, device: torch.device) -> int:
     return n
 
 
+SMEM_BUDGET = 160 * 1024   # bytes of shared memory the pipelined page tiles and q may take (H100 / H200: 227 KiB)
+
+
+def _num_stages(page_size: int, width: int, block_m: int, itemsize: int) -> int:
+    """2 (the next page's tile loads while this one is used) when two [page, width] tiles and the
+    [block_m, width] queries fit in SMEM_BUDGET, else 1 (a wide MLA latent on large pages)."""
+    return 2 if (2 * page_size + block_m) * width * itemsize <= SMEM_BUDGET else 1
+
+
 def shape_support(v_dim: int, rope_dim: int, page_size: int) -> str:
     """'' when the kernel runs these widths, else why not (value and rope widths and the page size
     must be powers of two, the value width and page size >= 16, a rope width 0 or >= 16)."""
@@ -211,7 +224,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         kv_cache.stride(3), block_tables, block_tables.stride(0), kv_lens, qo_indptr if ragged else kv_lens,
         out, out.stride(0), out.stride(1), float(scale), qps, ws_acc, ws_ml, t, hq, G=g, DV=v_dim, DR=dr,
         K_PLANE=0, V_PLANE=0 if mla else 1, PAGE=page_size, BLOCK_M=block_m, CAUSAL=causal, RAGGED=ragged,
-        SPLIT=splits, num_warps=8 if mla else 4, num_stages=1 if mla else 2)
+        SPLIT=splits, num_warps=8 if mla else 4, num_stages=_num_stages(page_size, dqk, block_m, q.element_size()))
     if splits > 1:
         _merge_splits_kernel[(t, hq)](ws_acc, ws_ml, out, out.stride(0), out.stride(1), t, hq, DV=v_dim,
                                       SPLIT=splits, num_warps=4)

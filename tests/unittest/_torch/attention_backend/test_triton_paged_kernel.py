@@ -116,6 +116,16 @@ def test_split_count_is_checked_and_sized_by_the_grid():
         assert 1 < few <= MAX_SPLITS and 3 * few * 2 > sms or few == MAX_SPLITS
 
 
+def test_page_walk_is_pipelined_where_two_tiles_fit():
+    """Two stages for GQA heads and for the 576-wide bf16 MLA latent on pages of up to 32 tokens;
+    one where two tiles of a wider page would not fit the shared-memory budget."""
+    from tensorrt_llm._torch.attention_backend.triton_paged_kernel import SMEM_BUDGET, _num_stages
+    assert _num_stages(32, 64, 32, 2) == _num_stages(128, 64, 32, 2) == 2           # GQA heads
+    assert _num_stages(16, 576, 32, 2) == _num_stages(32, 576, 32, 2) == 2         # MLA latent, engine pages
+    assert _num_stages(64, 576, 32, 2) == _num_stages(32, 576, 32, 4) == 1         # wider tiles: one stage
+    assert (2 * 32 + 32) * 576 * 2 <= SMEM_BUDGET < (2 * 64 + 32) * 576 * 2
+
+
 def test_paged_attention_rejects_bad_shapes():
     q, cache, table = _case(False, 4, [20, 20])
     lens = torch.tensor([20, 20], dtype=torch.int32, device=DEV)
