@@ -144,6 +144,15 @@ class TritonAttention(AttentionBackend):
                         self._counter(q.device), head_norms)
         return self._attend(q, kv_cache, md, scale, q.shape[-1], mla=False)
 
+    def forward_mla_rope(self, q_lat, q_pe, kv, cos, sin, norm_weight, eps, kv_cache, metadata, scale, v_dim):
+        """Absorbed MLA from unrotated pieces: one launch builds q, norms and rotates the latent and
+        appends it within each request's pages (`triton_rope_append.mla_rope_append`), then attention."""
+        from .triton_rope_append import mla_rope_append
+        md = metadata
+        q = mla_rope_append(q_lat, q_pe, kv, cos, sin, norm_weight, eps, kv_cache, md.slot_mapping, md.block_tables,
+                            *self._token_owners(md), self._counter(q_lat.device))
+        return self._attend(q, kv_cache, md, scale, v_dim, mla=True)
+
     def forward_mla(self, q, latent, kv_cache, metadata, scale, v_dim):
         """q: [T, H, R+r]; latent: [T, R+r]; kv_cache: [num_pages, 1, 1, P, R+r] -> [T, H, R]."""
         self._write(kv_cache, 0, latent[:, None, :], metadata)

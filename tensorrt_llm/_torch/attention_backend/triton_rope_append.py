@@ -1,6 +1,6 @@
 """RoPE of q and k fused with the page-bounded paged-KV append (Triton): one launch per layer
 instead of a rotation kernel and an append kernel (and, with `HeadNorms`, the per-head q / k
-RMSNorms before the rotation: the DSpark drafter's layers).
+RMSNorms before the rotation: the DSpark drafter's GQA layers).
 
 One program per token t:
     q_out[t]  = rope(norm_q(q[t]))                       (every query head)
@@ -9,17 +9,20 @@ where rope is the half rotation with the full-width signed tables of `RotaryEmbe
 (x * cos + [x2 | x1] * sin in float32, then the output dtype), exactly the rotation
 `compiled_regions.attention_inputs` applies, and norm_q / norm_k are the identity or `rms_norm`
 over each head (float32 statistics; the normed value rounded to x's dtype, times the weight,
-rounded again: `modules.rms_norm`'s order). The write is bounded as `paged_append.py`'s op:
-a slot of -1 is skipped; a slot whose page is not in its request's block-table row (or is
-outside the pool) is refused, never written, and counted into `refused` [1] int32 (one per
-token: both planes are one write). A token's request is t // tokens_per_seq (uniform steps) or
-the request whose rows qo_indptr[b]..qo_indptr[b+1]-1 hold it (ragged; rows past qo_indptr[B], a
-captured step's padding, are the last request's).
+rounded again: `modules.rms_norm`'s order). The absorbed-MLA form (`mla_rope_append`, the MLA
+drafter's layers) builds q_out[t] = [q_lat[t] | rope(q_pe[t])] and appends the latent
+[rms_norm(c_kv[t]) | rope(k_pe[t])] as the cache's one plane.
+
+The write is bounded as `paged_append.py`'s op: a slot of -1 is skipped; a slot whose page is not
+in its request's block-table row (or is outside the pool) is refused, never written, and counted
+into `refused` [1] int32 (one per token: both planes are one write). A token's request is
+t // tokens_per_seq (uniform steps) or the request whose rows qo_indptr[b]..qo_indptr[b+1]-1 hold
+it (ragged; rows past qo_indptr[B], a captured step's padding, are the last request's).
 
     q [T, Hq, D], k / v [T, Hkv, D]   heads and dims contiguous, any token stride (views of one
                                       q|k|v GEMM output are read in place)
     cos / sin [T, 1, D] float32       any token stride
-    kv_cache [pages, 2, Hkv, P, D]    the values' dtype
+    kv_cache [pages, 2, Hkv, P, D]    the values' dtype (MLA: [pages, 1, 1, P, R + r])
 """
 from __future__ import annotations
 
@@ -56,6 +59,29 @@ def _rotate(x_ptr, heads, n_heads, d, dsw, cos, sin, w_ptr, eps, D: tl.constexpr
 
 
 @triton.jit
+def _owns(t, page, bt_ptr, stride_bt, width, qo_ptr, n_req, qps, pages, RAGGED: tl.constexpr,
+          BLOCK_W: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Whether `page` is in token t's request's block-table row (and in the pool): t's request is
+    t // qps, or (ragged) the count of requests whose rows end at or before t; rows past the last
+    request's (padding) are the last request's, as in the C++ op."""
+    if RAGGED:
+        owner = 0
+        for b0 in range(0, n_req, BLOCK_B):
+            b = b0 + tl.arange(0, BLOCK_B)
+            ends = tl.load(qo_ptr + 1 + b, mask=b < n_req, other=2147483647)
+            owner += tl.sum((ends <= t).to(tl.int32))
+        owner = tl.minimum(owner, n_req - 1)
+    else:
+        owner = t // qps
+    found = 0
+    for j0 in range(0, width, BLOCK_W):
+        j = j0 + tl.arange(0, BLOCK_W)
+        row = tl.load(bt_ptr + owner * stride_bt + j, mask=j < width, other=-1)
+        found += tl.sum((row == page).to(tl.int32))
+    return (found > 0) & (page < pages)
+
+
+@triton.jit
 def _rope_append_kernel(q_ptr, stride_qt, k_ptr, stride_kt, v_ptr, stride_vt, cos_ptr, stride_cos, sin_ptr,
                         stride_sin, out_ptr, cache_ptr, stride_cp, stride_cplane, slots_ptr, bt_ptr, stride_bt,
                         width, qo_ptr, n_req, qps, pages, refused_ptr, qn_ptr, kn_ptr, eps,
@@ -74,22 +100,8 @@ def _rope_append_kernel(q_ptr, stride_qt, k_ptr, stride_kt, v_ptr, stride_vt, co
              mask=hq[:, None] < HQ)
     slot = tl.load(slots_ptr + t)
     if slot >= 0:
-        if RAGGED:    # requests whose rows end at or before t come before t's request; rows past
-            owner = 0   # the last request's (padding) are the last request's, as in the C++ op
-            for b0 in range(0, n_req, BLOCK_B):
-                b = b0 + tl.arange(0, BLOCK_B)
-                ends = tl.load(qo_ptr + 1 + b, mask=b < n_req, other=2147483647)
-                owner += tl.sum((ends <= t).to(tl.int32))
-            owner = tl.minimum(owner, n_req - 1)
-        else:
-            owner = t // qps
         page = slot // PAGE
-        found = 0
-        for j0 in range(0, width, BLOCK_W):
-            j = j0 + tl.arange(0, BLOCK_W)
-            row = tl.load(bt_ptr + owner * stride_bt + j, mask=j < width, other=-1)
-            found += tl.sum((row == page).to(tl.int32))
-        if found > 0 and page < pages:
+        if _owns(t, page, bt_ptr, stride_bt, width, qo_ptr, n_req, qps, pages, RAGGED, BLOCK_W, BLOCK_B):
             hk = tl.arange(0, HKV_P)
             cell = cache_ptr + page * stride_cp + hk[:, None] * (PAGE * D) + (slot % PAGE) * D + d[None, :]
             ok = hk[:, None] < HKV
@@ -97,6 +109,44 @@ def _rope_append_kernel(q_ptr, stride_qt, k_ptr, stride_kt, v_ptr, stride_vt, co
             tl.store(cell, k.to(cache_ptr.dtype.element_ty), mask=ok)
             v = tl.load(v_ptr + t * stride_vt + hk[:, None] * D + d[None, :], mask=ok, other=0.0)
             tl.store(cell + stride_cplane, v.to(cache_ptr.dtype.element_ty), mask=ok)
+        else:
+            tl.atomic_add(refused_ptr, 1)
+
+
+@triton.jit
+def _mla_rope_append_kernel(ql_ptr, stride_qlt, stride_qlh, qp_ptr, stride_qpt, stride_qph, kv_ptr, stride_kvt, cos_ptr,
+                            stride_cos, sin_ptr, stride_sin, norm_ptr, eps, out_ptr, cache_ptr, stride_cp,
+                            slots_ptr, bt_ptr, stride_bt, width, qo_ptr, n_req, qps, pages, refused_ptr,
+                            H: tl.constexpr, H_P: tl.constexpr, R: tl.constexpr, DR: tl.constexpr,
+                            PAGE: tl.constexpr, RAGGED: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_B: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.arange(0, H_P)
+    hok = h[:, None] < H
+    r = tl.arange(0, R)
+    d = tl.arange(0, DR)
+    dsw = (d + DR // 2) % DR
+    cos = tl.load(cos_ptr + t * stride_cos + d)
+    sin = tl.load(sin_ptr + t * stride_sin + d)
+    row = out_ptr + t * H * (R + DR) + h[:, None] * (R + DR)
+    q_lat = tl.load(ql_ptr + t * stride_qlt + h[:, None] * stride_qlh + r[None, :], mask=hok, other=0.0)
+    tl.store(row + r[None, :], q_lat.to(out_ptr.dtype.element_ty), mask=hok)
+    qp = qp_ptr + t * stride_qpt + h[:, None] * stride_qph
+    x = tl.load(qp + d[None, :], mask=hok, other=0.0).to(tl.float32)
+    xs = tl.load(qp + dsw[None, :], mask=hok, other=0.0).to(tl.float32)
+    tl.store(row + R + d[None, :], (x * cos[None, :] + xs * sin[None, :]).to(out_ptr.dtype.element_ty), mask=hok)
+    slot = tl.load(slots_ptr + t)
+    if slot >= 0:
+        page = slot // PAGE
+        if _owns(t, page, bt_ptr, stride_bt, width, qo_ptr, n_req, qps, pages, RAGGED, BLOCK_W, BLOCK_B):
+            dt = cache_ptr.dtype.element_ty
+            c = tl.load(kv_ptr + t * stride_kvt + r).to(tl.float32)
+            w = tl.load(norm_ptr + r).to(tl.float32)
+            c = (c * tl.rsqrt(tl.sum(c * c, axis=0) / R + eps)).to(kv_ptr.dtype.element_ty).to(tl.float32) * w
+            cell = cache_ptr + page * stride_cp + (slot % PAGE) * (R + DR)
+            tl.store(cell + r, c.to(dt))
+            k = tl.load(kv_ptr + t * stride_kvt + R + d).to(tl.float32)
+            ks = tl.load(kv_ptr + t * stride_kvt + R + dsw).to(tl.float32)
+            tl.store(cell + R + d, (k * cos + ks * sin).to(dt))
         else:
             tl.atomic_add(refused_ptr, 1)
 
@@ -160,4 +210,62 @@ def rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
         HQ_P=triton.next_power_of_2(hq), HKV_P=triton.next_power_of_2(hkv), D=dim,
         PAGE=page_size, RAGGED=qo_indptr is not None, BLOCK_W=min(triton.next_power_of_2(max(w, 1)), 256),
         BLOCK_B=min(triton.next_power_of_2(b_n + 1), 256), num_warps=2)
+    return out
+
+
+def mla_rope_append(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    norm_weight: torch.Tensor, eps: float, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                    block_tables: torch.Tensor, qo_indptr: Optional[torch.Tensor], tokens_per_seq: int,
+                    refused: torch.Tensor) -> torch.Tensor:
+    """The absorbed-MLA form: q_lat [T, H, R] (q_nope W_UK) and unrotated q_pe [T, H, r] (both with
+    contiguous dims, any token / head strides) and a token's raw latent kv [T, R + r] = [c_kv |
+    k_pe] (contiguous dims) -> q [T, H, R + r] = [q_lat | rope(q_pe)] (a new tensor, q_lat's dtype);
+    the latent [rms_norm(c_kv) | rope(k_pe)] (norm_weight [R], eps) written into kv_cache [pages, 1,
+    1, P, R + r] at slot_mapping within each token's request's pages, refusals added to refused.
+    The rest as `rope_append`."""
+    t_n, heads, rank = q_lat.shape if q_lat.dim() == 3 else (0, 0, 0)
+    if q_lat.dim() != 3 or q_lat.stride(2) != 1:
+        raise ValueError(f"q_lat must be [T, H, R] with contiguous dims, got {tuple(q_lat.shape)} strides "
+                         f"{q_lat.stride()}")
+    rope_dim = kv.shape[-1] - rank
+    if q_pe.dim() != 3 or q_pe.shape != (t_n, heads, rope_dim) or q_pe.stride(2) != 1:
+        raise ValueError(f"q_pe must be [{t_n}, {heads}, {rope_dim}] with contiguous dims, got "
+                         f"{tuple(q_pe.shape)} strides {q_pe.stride()}")
+    if kv.dim() != 2 or kv.shape[0] != t_n or kv.stride(1) != 1:
+        raise ValueError(f"kv must be [{t_n}, R + r] with contiguous dims, got {tuple(kv.shape)}")
+    if kv_cache.dim() != 5 or kv_cache.shape[1:3] != (1, 1) or kv_cache.shape[4] != rank + rope_dim:
+        raise ValueError(f"kv_cache must be [pages, 1, 1, P, {rank + rope_dim}], got {tuple(kv_cache.shape)}")
+    if not kv_cache.is_contiguous() or len({q_lat.dtype, q_pe.dtype, kv.dtype, kv_cache.dtype}) != 1:
+        raise ValueError(f"q_lat, q_pe, kv and kv_cache must share one dtype (kv_cache contiguous), got "
+                         f"{q_lat.dtype}, {q_pe.dtype}, {kv.dtype}, {kv_cache.dtype}")
+    page_size = kv_cache.shape[3]
+    for name, n in (("kv_lora_rank", rank), ("rope dim", rope_dim), ("page size", page_size)):
+        if n < 2 or n & (n - 1):
+            raise ValueError(f"{name} {n} must be a power of two >= 2")
+    for name, x in (("cos", cos), ("sin", sin)):
+        if x.dtype != torch.float32 or x.shape != (t_n, 1, rope_dim) or x.stride(2) != 1:
+            raise ValueError(f"{name} must be [{t_n}, 1, {rope_dim}] float32 with contiguous dims, got "
+                             f"{tuple(x.shape)} {x.dtype}")
+    if (norm_weight.shape != (rank,) or norm_weight.dtype != kv.dtype or norm_weight.device != kv.device
+            or norm_weight.stride(0) != 1):
+        raise ValueError(f"norm_weight must be [{rank}] contiguous {kv.dtype} on {kv.device}, got "
+                         f"{tuple(norm_weight.shape)} {norm_weight.dtype} on {norm_weight.device}")
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0, got {eps}")
+    b_n = block_tables.shape[0]
+    if qo_indptr is None and (tokens_per_seq < 1 or tokens_per_seq * b_n != t_n):
+        raise ValueError(f"tokens_per_seq {tokens_per_seq} does not split {t_n} tokens over {b_n} requests")
+    check_paged_kv_append(kv[:, None, :], kv_cache, slot_mapping, block_tables, qo_indptr, tokens_per_seq, 0, refused)
+    out = torch.empty(t_n, heads, rank + rope_dim, dtype=q_lat.dtype, device=q_lat.device)
+    if t_n == 0:
+        return out
+    w = block_tables.shape[1]
+    _mla_rope_append_kernel[(t_n,)](
+        q_lat, q_lat.stride(0), q_lat.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1), kv, kv.stride(0), cos, cos.stride(0), sin,
+        sin.stride(0), norm_weight, float(eps), out, kv_cache, kv_cache.stride(0), slot_mapping, block_tables,
+        block_tables.stride(0), w, qo_indptr if qo_indptr is not None else slot_mapping, b_n,
+        max(tokens_per_seq, 1), kv_cache.shape[0], refused, H=heads, H_P=triton.next_power_of_2(heads), R=rank,
+        DR=rope_dim, PAGE=page_size, RAGGED=qo_indptr is not None,
+        BLOCK_W=min(triton.next_power_of_2(max(w, 1)), 256), BLOCK_B=min(triton.next_power_of_2(b_n + 1), 256),
+        num_warps=4)
     return out

@@ -10,6 +10,8 @@ The drafter's device step (`DraftGraphRunner.draft_rows`) is, per region::
     gqa_attention_inputs: input_layernorm -> q|k|v GEMM -> q_norm, k_norm -> RoPE  (forward_block, per layer)
     qkv             : input_layernorm -> q|k|v GEMM, the target's region unrotated (forward_block on a
                       backend with `fused_rope_append`: the q / k norms and RoPE go in its KV append)
+    mla_attention_parts: input_layernorm -> q (q_a, norm, q_b) -> q_nope W_UK | q_pe, and the raw
+                      latent (kv_a GEMM): the same backend norms, rotates and appends the rest
     mla_attention_inputs: input_layernorm -> q (q_a, norm, q_b) | latent -> RoPE -> q_nope W_UK
     output          : o_proj + residual -> norm -> gate|up SwiGLU -> down + residual (the target's region)
     greedy_drafts   : lm_head GEMM -> per draft: + Markov bias of the previous pick -> argmax (propose_greedy;
@@ -143,6 +145,20 @@ def mla_attention_inputs(h: torch.Tensor, norm_w: torch.Tensor, eps: float, q_a_
     return torch.cat((q_lat, q_pe.to(q_lat.dtype)), dim=-1), latent
 
 
+def mla_attention_parts(h: torch.Tensor, norm_w: torch.Tensor, eps: float, q_a_w: Optional[torch.Tensor],
+                        q_a_norm_w: Optional[torch.Tensor], q_w: torch.Tensor, kv_a_w: torch.Tensor,
+                        w_uk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h [T, H] residual stream -> (q_lat [T, Hq, R] = q_nope W_UK, unrotated q_pe [T, Hq, rope], the
+    raw latent [T, R + rope] = [c_kv | k_pe] before its norm and rotation): `mla_attention_inputs`
+    up to what a backend with `fused_rope_append` does in its append (`forward_mla_rope`)."""
+    t, x = h.shape[0], rms_norm(h, norm_w, eps)
+    qx = x if q_a_w is None else rms_norm(F.linear(x, q_a_w), q_a_norm_w, eps)
+    heads, nope = w_uk.shape[0], w_uk.shape[1]
+    q = F.linear(qx, q_w).view(t, heads, -1)
+    q_nope, q_pe = q.split([nope, q.shape[-1] - nope], dim=-1)
+    return torch.einsum("thn,hnr->thr", q_nope, w_uk), q_pe, F.linear(x, kv_a_w)
+
+
 def greedy_drafts(hidden: torch.Tensor, anchor_ids: torch.Tensor, lm_w: torch.Tensor, lm_b: Optional[torch.Tensor],
                   markov_w1: Optional[torch.Tensor], markov_w2: Optional[torch.Tensor], block_size: int, first: int,
                   num_drafts: int) -> torch.Tensor:
@@ -196,6 +212,7 @@ class DrafterRegions:
     greedy_drafts: Callable[..., torch.Tensor]
     draft_addressing: Callable[..., tuple[torch.Tensor, ...]]
     qkv: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    mla_attention_parts: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     compiled: bool
     triton_chain: bool = False     # greedy_drafts is `dspark_markov_kernel.greedy_drafts_triton`
 
@@ -209,7 +226,7 @@ class DrafterRegions:
             drafts = greedy_drafts_triton
         return DrafterRegions(features, gqa_project_kv, gqa_context_kv, mla_context_latents, gqa_attention_inputs,
                               mla_latent, mla_attention_inputs, layer_output, drafts, draft_addressing,
-                              attention_inputs, compiled=False, triton_chain=triton_chain)
+                              attention_inputs, mla_attention_parts, compiled=False, triton_chain=triton_chain)
 
     @staticmethod
     def inductor(triton_chain: bool = False) -> "DrafterRegions":
@@ -233,4 +250,5 @@ def _inductor_regions(triton_chain: bool) -> DrafterRegions:
     return DrafterRegions(c(features), c(gqa_project_kv), c(gqa_context_kv), c(mla_context_latents),
                           c(gqa_attention_inputs), c(mla_latent),
                           c(mla_attention_inputs), target.output, drafts,
-                          c(draft_addressing), target.attention_inputs, compiled=True, triton_chain=triton_chain)
+                          c(draft_addressing), target.attention_inputs, c(mla_attention_parts), compiled=True,
+                          triton_chain=triton_chain)

@@ -82,12 +82,15 @@ class DSparkDecoderLayer(nn.Module):
                         n.weight, n.eps, self.mlp._gate_up, self.mlp.down_proj.weight)
 
     def fuses_rope_append(self, backend: AttentionBackend) -> bool:
-        """Whether this layer hands `backend` its q / k unnormed and unrotated (a GQA layer with
-        regions, half-rotation RoPE over the head, on a backend with `fused_rope_append`)."""
+        """Whether this layer hands `backend` its attention inputs unnormed and unrotated: a layer with
+        regions and half-rotation RoPE on a backend with `fused_rope_append`; GQA with q / k norms
+        over the whole head, absorbed MLA with power-of-two latent and rope widths."""
         a = self.self_attn
-        return (backend.capabilities.fused_rope_append and self.regions is not None
-                and not isinstance(a, MLAAttention) and a.q_norm is not None and not a.rotary.interleaved
-                and a.rotary.rot_dim == a.head_dim)
+        if not backend.capabilities.fused_rope_append or self.regions is None or a.rotary.interleaved:
+            return False
+        if isinstance(a, MLAAttention):
+            return a.absorb and all(n >= 2 and not n & (n - 1) for n in (a.kv_lora_rank, a.qk_rope_head_dim))
+        return a.q_norm is not None and a.rotary.rot_dim == a.head_dim
 
     def attention(self, h: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                   md: AttentionMetadata, backend: AttentionBackend,
@@ -97,24 +100,25 @@ class DSparkDecoderLayer(nn.Module):
         rope: the block's (cos, sin) (`RotaryEmbedding.cos_sin`) where `fuses_rope_append`: the
         backend norms, rotates and appends q / k in one launch (`forward_rope`)."""
         a, r, n = self.self_attn, self.regions, self.input_layernorm
-        if rope is not None:
-            if not self.fuses_rope_append(backend):
-                raise ValueError(f"a fused RoPE append needs a GQA layer with regions and q / k norms on a "
-                                 f"backend with fused_rope_append ({backend.name})")
-            q, k, v = r.qkv(h, n.weight, n.eps, *a._qkv, None, None, a.num_heads, a.num_kv_heads, a.head_dim)
-            return a.core(q, k, v, kv_cache, md, backend, rope, a.head_norms())
-        cos_t, sin_t = a.rotary.tables(positions.device)
+        if rope is not None and not self.fuses_rope_append(backend):
+            raise ValueError(f"a fused RoPE append needs a layer with regions (GQA: q / k norms; MLA: absorbed) "
+                             f"on a backend with fused_rope_append ({backend.name})")
+        tables = a.rotary.tables(positions.device)
         if isinstance(a, MLAAttention):
             if not a.absorb:
                 return a.attend(n(h), positions, kv_cache, md, backend)
-            q_a = (None, None) if a.q_lora_rank is None else (a.q_a_proj.weight, a.q_a_layernorm.weight)
-            q_w = (a.q_proj if a.q_lora_rank is None else a.q_b_proj).weight
-            q, latent = r.mla_attention_inputs(h, n.weight, n.eps, *q_a, q_w, a.kv_a_proj_with_mqa.weight,
-                                               a.kv_a_layernorm.weight, a.w_uk_uv()[0], positions, cos_t, sin_t,
+            w = (h, n.weight, n.eps, *a.q_weights(), a.kv_a_proj_with_mqa.weight)
+            if rope is not None:
+                q_lat, q_pe, kv = r.mla_attention_parts(*w, a.w_uk_uv()[0])
+                return a.attend_absorbed_rope(q_lat, q_pe, kv, rope, kv_cache, md, backend)
+            q, latent = r.mla_attention_inputs(*w, a.kv_a_layernorm.weight, a.w_uk_uv()[0], positions, *tables,
                                                a.rotary.interleaved, a.kv_lora_rank)
             return a.attend_absorbed(q, latent, kv_cache, md, backend)
+        if rope is not None:
+            q, k, v = r.qkv(h, n.weight, n.eps, *a._qkv, None, None, a.num_heads, a.num_kv_heads, a.head_dim)
+            return a.core(q, k, v, kv_cache, md, backend, rope, a.head_norms())
         q, k, v = r.gqa_attention_inputs(h, n.weight, *a._qkv, a.q_norm.weight, a.k_norm.weight, n.eps, positions,
-                                         cos_t, sin_t, a.rotary.interleaved, a.num_heads, a.num_kv_heads, a.head_dim)
+                                         *tables, a.rotary.interleaved, a.num_heads, a.num_kv_heads, a.head_dim)
         return a.core(q, k, v, kv_cache, md, backend)
 
 

@@ -95,6 +95,12 @@ class MLAAttention(nn.Module):
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         return q_nope, self.rotary(q_pe, positions)
 
+    def q_weights(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor]:
+        """(q_a_proj, q_a_layernorm, q_b_proj) weights with q_lora, else (None, None, q_proj)."""
+        if self.q_lora_rank is None:
+            return None, None, self.q_proj.weight
+        return self.q_a_proj.weight, self.q_a_layernorm.weight, self.q_b_proj.weight
+
     def w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head: W_UK [H, nope, R], W_UV [H, v_head_dim, R] (the contiguous copies
         `post_load_weights` made, else views of kv_b_proj)."""
@@ -142,10 +148,23 @@ class MLAAttention(nn.Module):
                         backend: AttentionBackend) -> torch.Tensor:
         """The absorbed path from latent space: q [T, H, R + rope] (q_nope W_UK | roped q_pe), the new
         tokens' latents [T, R + rope] (written first) -> [T, H * v_head_dim], before o_proj."""
-        o_lat = backend.forward_mla(q, latent, kv_cache, md, self.scale, self.kv_lora_rank)
+        return self._from_latent(backend.forward_mla(q, latent, kv_cache, md, self.scale, self.kv_lora_rank))
+
+    def attend_absorbed_rope(self, q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor,
+                             rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor, md: AttentionMetadata,
+                             backend: AttentionBackend) -> torch.Tensor:
+        """`attend_absorbed` from unrotated pieces (q_lat [T, H, R], q_pe [T, H, rope], the raw latent
+        kv [T, R + rope]) on a backend with `fused_rope_append`: it rotates, norms (kv_a_layernorm)
+        and appends in one launch. rope: (cos, sin) from `rotary.cos_sin`."""
+        n = self.kv_a_layernorm
+        return self._from_latent(backend.forward_mla_rope(q_lat, q_pe, kv, *rope, n.weight, n.eps, kv_cache, md,
+                                                          self.scale, self.kv_lora_rank))
+
+    def _from_latent(self, o_lat: torch.Tensor) -> torch.Tensor:
+        """o_lat [T, H, R] attention output in latent space -> [T, H * v_head_dim] through W_UV."""
         w_uv = self.w_uk_uv()[1]
         o = torch.einsum("thr,hvr->thv", o_lat.to(w_uv.dtype), w_uv)          # [T, H, v]
-        return o.reshape(q.shape[0], self.num_heads * self.v_head_dim)
+        return o.reshape(o_lat.shape[0], self.num_heads * self.v_head_dim)
 
     def _attend_unabsorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                            md: AttentionMetadata) -> torch.Tensor:

@@ -9,7 +9,9 @@ the pool is refused (the cache keeps its bytes) and counted once per token. Nega
 tables of the wrong positions move q far outside the tolerance; a plain scatter writes the
 foreign slot the kernel refuses. With `HeadNorms` (the drafter's per-head q / k RMSNorms before
 the rotation) q and the cache equal `rms_norm` then the rotation, within the same tolerances; the
-un-normed kernel lands far outside them. Validation names the argument. GPU: bf16 at SmolLM2's
+un-normed kernel lands far outside them. The absorbed-MLA form (`mla_rope_append`) gives
+[q_lat | rope(q_pe)] and appends [rms_norm(c_kv) | rope(k_pe)] as the reference append does, with
+the same refusals; controls: shifted tables, no norm. Validation names the argument. GPU: bf16 at SmolLM2's
 heads, eager and replayed in a CUDA graph, against the same references.
 """
 from __future__ import annotations
@@ -22,7 +24,7 @@ pytest.importorskip("triton")
 from tensorrt_llm._torch.attention_backend.interface import (  # noqa: E402
     BAD_PAGE_INDEX, HeadNorms, joint_planes, write_slots)
 from tensorrt_llm._torch.attention_backend.paged_append import reference_paged_kv_append  # noqa: E402
-from tensorrt_llm._torch.attention_backend.triton_rope_append import rope_append  # noqa: E402
+from tensorrt_llm._torch.attention_backend.triton_rope_append import mla_rope_append, rope_append  # noqa: E402
 from tensorrt_llm._torch.modules.rms_norm import rms_norm  # noqa: E402
 from tensorrt_llm._torch.modules.rotary_embedding import RotaryEmbedding  # noqa: E402
 
@@ -179,6 +181,89 @@ def test_bad_head_norms_name_the_field():
                            (HeadNorms(good.q_weight, good.k_weight, 0.0), "head_norms.eps must be > 0")):
         with pytest.raises(ValueError, match=message):
             rope_append(**args, head_norms=norms)
+
+
+def _mla_case(dtype=torch.float32, ragged=False, heads=4, rank=16, rope=8, dev="cpu", seed=0):
+    """The GQA case's requests, tables and slots with an MLA cache [12, 1, 1, P, rank + rope] and the
+    layer's pieces: q_lat [T, H, R], q_pe (a view of a wider q buffer), the raw latent kv (a view
+    of a wider GEMM output), norm weight, tables."""
+    args, rot, slots = _case(dtype, ragged, seed=seed)
+    g = torch.Generator().manual_seed(seed + 7)
+    t = len(slots)
+    rot = RotaryEmbedding(rope, 1000.0, 256)
+    positions = torch.randint(0, 200, (t,), generator=g)
+    cos, sin = rot.cos_sin(positions)
+    q_buf = (3 * torch.randn(t, heads, 64 + rope, generator=g)).to(dtype)
+    kv_buf = (3 * torch.randn(t, rank + rope + 5, generator=g)).to(dtype)
+    to = lambda x: x.to(dev)                                          # noqa: E731
+    q_lat = torch.randn(heads, t, rank, generator=g).to(dtype).transpose(0, 1)      # a bmm's [H, T, R], viewed
+    mla = dict(q_lat=to(q_lat), q_pe=to(q_buf)[:, :, 64:],
+               kv=to(kv_buf)[:, :rank + rope], cos=to(cos), sin=to(sin),
+               norm_weight=to((0.25 + 1.5 * torch.rand(rank, generator=g)).to(dtype)), eps=1e-5,
+               kv_cache=to(torch.randn(12, 1, 1, P, rank + rope, generator=g).to(dtype)),
+               slot_mapping=args["slot_mapping"].to(dev), block_tables=args["block_tables"].to(dev),
+               qo_indptr=None if args["qo_indptr"] is None else args["qo_indptr"].to(dev),
+               tokens_per_seq=args["tokens_per_seq"], refused=args["refused"].to(dev))
+    return mla, rot, slots
+
+
+def _mla_expected(a, rot, norm=True):
+    rank = a["q_lat"].shape[-1]
+    q = torch.cat((a["q_lat"], rot.apply(a["q_pe"], a["cos"], a["sin"])), dim=-1)
+    ckv, k_pe = a["kv"][:, :rank], a["kv"][:, rank:]
+    c = rms_norm(ckv, a["norm_weight"], a["eps"]) if norm else ckv
+    latent = torch.cat((c, rot.apply(k_pe[:, None, :], a["cos"], a["sin"])[:, 0]), dim=-1)
+    cache, refused = a["kv_cache"].clone(), torch.zeros_like(a["refused"])
+    reference_paged_kv_append(latent[:, None, :], cache, a["slot_mapping"], a["block_tables"], a["qo_indptr"],
+                              a["tokens_per_seq"], 0, refused)
+    return q, cache, refused
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_form_builds_q_and_appends_the_latent(ragged, dtype):
+    a, rot, slots = _mla_case(dtype, ragged)
+    want_q, want_cache, want_refused = _mla_expected(a, rot)
+    before = a["kv_cache"].clone()
+    out = mla_rope_append(**a)
+    _close(out, want_q, dtype, ulps=4)
+    _close(a["kv_cache"], want_cache, dtype, ulps=4)
+    assert int(a["refused"]) == int(want_refused) == 2
+    for s, ok in slots:                       # refused and skipped slots keep their bytes
+        if s >= 0 and not ok and s < 12 * P:
+            assert torch.equal(a["kv_cache"][s // P, :, :, s % P], before[s // P, :, :, s % P])
+    # controls: other positions' tables move q; the un-normed latent is far from the written one
+    shifted = dict(a, cos=torch.roll(a["cos"], 1, 0), sin=torch.roll(a["sin"], 1, 0), kv_cache=before.clone())
+    assert (mla_rope_append(**shifted).float() - want_q.float()).abs().max() > 0.1
+    _, plain_cache, _ = _mla_expected(a, rot, norm=False)
+    assert (plain_cache.float() - want_cache.float()).abs().max() > 1.0
+
+
+def test_mla_form_names_bad_inputs():
+    a, _, _ = _mla_case()
+    for change, message in (
+            (lambda x: x.update(q_lat=x["q_lat"].transpose(1, 2)), "q_lat must be"),
+            (lambda x: x.update(q_pe=x["q_pe"][:, :, :4]), "q_pe must be"),
+            (lambda x: x.update(kv_cache=x["kv_cache"].expand(12, 2, 1, P, 24)), "kv_cache must be"),
+            (lambda x: x.update(kv_cache=x["kv_cache"].double()), "share one dtype"),
+            (lambda x: x.update(norm_weight=x["norm_weight"][:8]), "norm_weight must be"),
+            (lambda x: x.update(eps=0.0), "eps must be > 0"),
+            (lambda x: x.update(cos=x["cos"].double()), "cos must be"),
+            (lambda x: x.update(slot_mapping=x["slot_mapping"].int()), "slot_mapping must be")):
+        bad = dict(a)
+        change(bad)
+        with pytest.raises(ValueError, match=message):
+            mla_rope_append(**bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_bf16_mla_form():
+    a, rot, _ = _mla_case(torch.bfloat16, True, heads=16, rank=512, rope=64, dev="cuda")
+    want_q, want_cache, _ = _mla_expected(a, rot)
+    out = mla_rope_append(**a)
+    _close(out, want_q, torch.bfloat16, ulps=4)
+    _close(a["kv_cache"], want_cache, torch.bfloat16, ulps=4)
 
 
 @pytest.mark.gpu

@@ -9,16 +9,17 @@ within 1e-5 (also with interleaved RoPE, and MLA with q_lora; GQA's K and V are 
 halves, one cache write for both); the inductor regions give the same draft ids, and hidden / pool
 writes / propose logits within 1e-4 relative (max error over max value), while the compiled drafter
 with one weight x3 (negative control) lands beyond 1e-2 (measured: ~0.6).
-On TRITON (Triton's interpreter) a GQA drafter's q / k norms and RoPE run in the backend's fused
-append (`forward_rope` with the layer's `HeadNorms`): the same drafts, hidden and pool writes within
-1e-5; without the norms (control) beyond 1e-2; MLA layers keep their regions.
+On TRITON (Triton's interpreter) a drafter's norms and RoPE run in the backend's fused append (GQA:
+`forward_rope` with the layer's `HeadNorms`; MLA: `forward_mla_rope`): the same drafts, hidden and
+pool writes within 1e-5; without the norms (control) beyond 1e-2.
 `LLM(torch_compile_config=...)` with a DSpark drafter reports the drafter's regions and its greedy
 output equals no-spec token for token; an FP8 drafter keeps its modules except `propose`; an
 unfused drafter is refused.
 GPU (bf16, TRITON attention): the step with the inductor regions captured in a CUDA graph vs run
 directly with the eager regions: the pool writes within 2e-2 (norm-relative; bf16 on the CPU
 measured 0.004) and the control beyond 0.08 (CPU bf16: 0.16-0.17); each row's drafts equal up to a
-first divergence that is a near tie of the eager logits (within 5% of a std).
+first divergence that is a near tie of the eager logits (within 5% of a std). The same bounds hold
+for TRITON's fused appends against VANILLA through the regions' own norms and RoPE.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import torch
 from torch import nn
 
 from tensorrt_llm import SamplingParams
-from tensorrt_llm._torch.attention_backend.interface import AttentionBackend, HeadNorms, joint_kv
+from tensorrt_llm._torch.attention_backend.interface import AttentionBackend, joint_kv
 from tensorrt_llm._torch.attention_backend.vanilla import VanillaAttention
 from tensorrt_llm._torch.models.dspark_regions import DrafterRegions
 from tensorrt_llm._torch.models.modeling_dspark import DSparkForCausalLMBase
@@ -224,42 +225,47 @@ def test_gqa_attention_inputs_are_one_qkv_buffer(regions):
 
 
 def _spied_triton(calls: list, drop_norms: bool = False):
-    """A TRITON backend whose `forward_rope` records its head_norms (drop_norms: calls it without)."""
+    """A TRITON backend whose fused appends record their norms (GQA: `HeadNorms`; MLA: the latent
+    norm's weight); drop_norms: GQA without its norms, MLA with a unit latent norm weight."""
     pytest.importorskip("triton")
     from tensorrt_llm._torch.attention_backend.triton_backend import TritonAttention
     tri = TritonAttention()
-    forward_rope = tri.forward_rope
+    forward_rope, forward_mla_rope = tri.forward_rope, tri.forward_mla_rope
 
-    def spy(*args):
+    def gqa(*args):
         calls.append(args[-1])
         return forward_rope(*args[:-1], None if drop_norms else args[-1])
-    tri.forward_rope = spy
+
+    def mla(q_lat, q_pe, kv, cos, sin, norm_weight, *rest):
+        calls.append(norm_weight)
+        return forward_mla_rope(q_lat, q_pe, kv, cos, sin, torch.ones_like(norm_weight) if drop_norms else norm_weight,
+                                *rest)
+    tri.forward_rope, tri.forward_mla_rope = gqa, mla
     return tri
 
 
-def test_gqa_layers_hand_norms_and_rope_to_a_fusing_backend():
-    """On TRITON (`fused_rope_append`) a GQA drafter layer stops at input_layernorm + the q|k|v GEMM
-    and the backend norms q / k per head, rotates them and appends K/V in one launch (`forward_rope`
-    with the layer's `HeadNorms`): the step's drafts equal VANILLA's (the regions' own norms and
-    RoPE), its hidden and pool writes within 1e-5. Controls: the same launch without the norms is
-    far off; VANILLA refuses a fused layer by name; MLA layers keep their regions."""
-    d = _drafter("gqa", CPU, torch.float32)
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_layers_hand_norms_and_rope_to_a_fusing_backend(kind):
+    """On TRITON (`fused_rope_append`) a drafter layer stops at its projections and the backend norms,
+    rotates and appends in one launch: GQA's per-head q / k norms (`forward_rope` with the layer's
+    `HeadNorms`), MLA's latent norm and both RoPEs (`forward_mla_rope`). The step's drafts equal
+    VANILLA's (the regions' own norms and RoPE), its hidden and pool writes within 1e-5. Controls:
+    the launch without the norms is far off; VANILLA refuses a fused layer by name."""
+    d = _drafter(kind, CPU, torch.float32, **({"qk_rope_head_dim": 16} if kind == "mla" else {}))
     want_rows, want_pool, want_hidden = _draft_step(d, VanillaAttention())
     calls: list = []
     rows, pool, hidden = _draft_step(d, _spied_triton(calls))
-    assert len(calls) == len(d.layers) and all(c == d.layers[i].self_attn.head_norms() for i, c in enumerate(calls))
-    assert all(isinstance(c, HeadNorms) for c in calls)
+    assert len(calls) == len(d.layers)
+    for layer, c in zip(d.layers, calls):
+        a = layer.self_attn
+        assert c == a.head_norms() if kind == "gqa" else c is a.kv_a_layernorm.weight
     assert torch.equal(rows, want_rows) and _rel(pool, want_pool) < 1e-5 and _rel(hidden, want_hidden) < 1e-5
     _, bad_pool, bad_hidden = _draft_step(d, _spied_triton([], drop_norms=True))
     assert _rel(bad_hidden, want_hidden) > 1e-2 and _rel(bad_pool, want_pool) > 1e-2
-    layer, t = d.layers[0], 3
+    t = 3
     with pytest.raises(ValueError, match="fused_rope_append \\(VANILLA\\)"):
-        layer.attention(torch.zeros(t, HIDDEN), torch.arange(t), None, None, VanillaAttention(),
-                        d.rotary.cos_sin(torch.arange(t)))
-    m, mla_calls = _drafter("mla", CPU, torch.float32, qk_rope_head_dim=16), []
-    want_mla = _draft_step(m, VanillaAttention())
-    got_mla = _draft_step(m, _spied_triton(mla_calls))
-    assert mla_calls == [] and torch.equal(got_mla[0], want_mla[0]) and _rel(got_mla[2], want_mla[2]) < 1e-5
+        d.layers[0].attention(torch.zeros(t, HIDDEN), torch.arange(t), None, None, VanillaAttention(),
+                              d.rotary.cos_sin(torch.arange(t)))
 
 
 @pytest.mark.parametrize("kind", ["gqa", "mla"])
@@ -339,4 +345,27 @@ def test_inductor_regions_in_the_draft_graph_on_gpu(kind):
     assert _norm_rel(pool, want_pool) < 2e-2
     _perturbed(d)                                                           # control
     _, bad_pool, _ = _draft_step(d, TritonAttention(), capture=True)
+    assert _norm_rel(bad_pool, want_pool) > 0.08
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_fused_appends_match_the_regions_on_gpu(kind):
+    """bf16 on the H200: TRITON's fused norm + RoPE + append (eager regions, run directly) against
+    VANILLA through the regions' own norms and RoPE: committed and anchor equal, drafts equal up to
+    a near tie, pool writes within 2e-2 (norm-relative); control: a perturbed weight beyond 0.08."""
+    from tensorrt_llm._torch.attention_backend.triton_backend import TritonAttention
+    d = _drafter(kind, torch.device("cuda"), torch.bfloat16, **({"qk_rope_head_dim": 16} if kind == "mla" else {}))
+    want_rows, want_pool, hidden = _draft_step(d, VanillaAttention())
+    with torch.inference_mode():
+        want_ids, logits = d.propose(hidden, want_rows[:, 1].clone(), Q - 1)
+    calls: list = []
+    rows, pool, _ = _draft_step(d, _spied_triton(calls))
+    assert len(calls) == len(d.layers)
+    assert torch.equal(rows[:, :2], want_rows[:, :2])
+    _diverge_only_at_near_ties(rows[:, 2:].cpu(), want_ids.cpu(), logits.float().cpu(), 0.05)
+    assert _norm_rel(pool, want_pool) < 2e-2
+    _perturbed(d)
+    _, bad_pool, _ = _draft_step(d, TritonAttention())
     assert _norm_rel(bad_pool, want_pool) > 0.08
