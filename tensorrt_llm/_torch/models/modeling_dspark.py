@@ -98,7 +98,7 @@ class DSparkDecoderLayer(nn.Module):
         """h: [T, hidden] residual stream -> the heads' outputs [T, Hq * Dv] (before o_proj), the
         attention inputs through the regions (un-absorbed MLA, the reference, through its module).
         rope: the block's (cos, sin) (`RotaryEmbedding.cos_sin`) where `fuses_rope_append`: the
-        backend norms, rotates and appends q / k in one launch (`forward_rope`)."""
+        backend norms, rotates and appends in one launch (`forward_rope` / `forward_mla_rope`)."""
         a, r, n = self.self_attn, self.regions, self.input_layernorm
         if rope is not None and not self.fuses_rope_append(backend):
             raise ValueError(f"a fused RoPE append needs a layer with regions (GQA: q / k norms; MLA: absorbed) "

@@ -266,6 +266,10 @@ def test_layers_hand_norms_and_rope_to_a_fusing_backend(kind):
     with pytest.raises(ValueError, match="fused_rope_append \\(VANILLA\\)"):
         d.layers[0].attention(torch.zeros(t, HIDDEN), torch.arange(t), None, None, VanillaAttention(),
                               d.rotary.cos_sin(torch.arange(t)))
+    if kind == "gqa":                     # norms without the fused rotation would be dropped: refused
+        a = d.layers[0].self_attn
+        with pytest.raises(ValueError, match="head_norms go with rope"):
+            a.core(*[torch.zeros(t, 4, 16)] * 3, None, None, VanillaAttention(), head_norms=a.head_norms())
 
 
 @pytest.mark.parametrize("kind", ["gqa", "mla"])
