@@ -90,6 +90,13 @@ def _close(a, b, dtype, ulps=1):
         torch.testing.assert_close(a.float(), b.float(), rtol=ulps * 2 ** -7, atol=ulps * 2 ** -7)
 
 
+def _refused_keep_their_bytes(cache, before, slots):
+    """Refused slots inside the pool (another request's page) were not written."""
+    for s, ok in slots:
+        if s >= 0 and not ok and s < 12 * P:
+            assert torch.equal(cache[s // P, :, :, s % P], before[s // P, :, :, s % P])
+
+
 @pytest.mark.parametrize("ragged", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotates_q_and_appends_owned_slots(ragged, dtype):
@@ -100,9 +107,7 @@ def test_rotates_q_and_appends_owned_slots(ragged, dtype):
     _close(out, want_q, dtype)
     _close(args["kv_cache"], want_cache, dtype)
     assert int(args["refused"]) == int(want_refused) == sum(s >= 0 and not ok for s, ok in slots) == 2
-    for s, ok in slots:               # refused and skipped slots keep their bytes
-        if s >= 0 and not ok and s < 12 * P:
-            assert torch.equal(args["kv_cache"][s // P, :, :, s % P], before[s // P, :, :, s % P])
+    _refused_keep_their_bytes(args["kv_cache"], before, slots)
     # a second call accumulates into the counter (never zeroed)
     rope_append(**args)
     assert int(args["refused"]) == 4
@@ -229,9 +234,7 @@ def test_mla_form_builds_q_and_appends_the_latent(ragged, dtype):
     _close(out, want_q, dtype, ulps=4)
     _close(a["kv_cache"], want_cache, dtype, ulps=4)
     assert int(a["refused"]) == int(want_refused) == 2
-    for s, ok in slots:                       # refused and skipped slots keep their bytes
-        if s >= 0 and not ok and s < 12 * P:
-            assert torch.equal(a["kv_cache"][s // P, :, :, s % P], before[s // P, :, :, s % P])
+    _refused_keep_their_bytes(a["kv_cache"], before, slots)
     # controls: other positions' tables move q; the un-normed latent is far from the written one
     shifted = dict(a, cos=torch.roll(a["cos"], 1, 0), sin=torch.roll(a["sin"], 1, 0), kv_cache=before.clone())
     assert (mla_rope_append(**shifted).float() - want_q.float()).abs().max() > 0.1
