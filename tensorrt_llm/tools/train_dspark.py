@@ -62,7 +62,7 @@ def build_drafter(cfg: DSparkTrainConfig, target_config) -> torch.nn.Module:
 
 def init_drafter_from(drafter: torch.nn.Module, folder: str, target) -> None:
     """Copy the weights of the drafter saved at `folder` into `drafter` (same config, strict)."""
-    from .._torch.models.modeling_dspark import load_drafter
+    from .._torch.models.dspark_loader import load_drafter
     src = load_drafter(folder, target.config, torch.float32, torch.device("cpu"), for_inference=False)
     want, got = drafter.config.to_dict(), src.config.to_dict()
     diff = {k: (got.get(k), want.get(k)) for k in sorted(set(want) | set(got)) if want.get(k) != got.get(k)}
@@ -75,7 +75,7 @@ def init_drafter_from(drafter: torch.nn.Module, folder: str, target) -> None:
 
 def export_drafter(drafter: torch.nn.Module, folder: Path, dtype: torch.dtype) -> int:
     """`save_pretrained` a `dtype` copy of the drafter; returns the safetensors size in bytes."""
-    from .._torch.models.modeling_dspark import DRAFTER_REGISTRY
+    from .._torch.models.dspark_loader import DRAFTER_REGISTRY
     copy = DRAFTER_REGISTRY[drafter.config.architecture](drafter.config)
     copy.load_state_dict(drafter.state_dict())
     copy.to(dtype).save_pretrained(folder)

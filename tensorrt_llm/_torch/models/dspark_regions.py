@@ -16,6 +16,8 @@ The drafter's device step (`DraftGraphRunner.draft_rows`) is, per region::
     output          : o_proj + residual -> norm -> gate|up SwiGLU -> down + residual (the target's region)
     greedy_drafts   : lm_head GEMM -> per draft: + Markov bias of the previous pick -> argmax (propose_greedy;
                       on CUDA the compiled regions run it as Triton launches: `dspark_markov_kernel`)
+    (on CUDA a GQA drafter's gqa_context_kv and its scatter are one Triton launch after the stacked
+    GEMM: `dspark_context_kernel`, `triton_context`)
     draft_addressing: the step's integer work: committed count and anchor per row, context and block
                       positions and slots from the block tables, the block's ids (draft_rows' head)
 
@@ -215,30 +217,36 @@ class DrafterRegions:
     mla_attention_parts: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     compiled: bool
     triton_chain: bool = False     # greedy_drafts is `dspark_markov_kernel.greedy_drafts_triton`
+    # a GQA drafter writes the draft context of every layer with `dspark_context_kernel` (after the
+    # stacked GEMM) instead of gqa_context_kv and a scatter
+    triton_context: bool = False
 
     @staticmethod
-    def eager(triton_chain: bool = False) -> "DrafterRegions":
+    def eager(triton_chain: bool = False, triton_context: bool = False) -> "DrafterRegions":
         """The region functions uncompiled (bitwise the module path); triton_chain (CUDA): the greedy
-        drafts' Markov chain as Triton launches (`dspark_markov_kernel`), as in `inductor`."""
+        drafts' Markov chain as Triton launches (`dspark_markov_kernel`), as in `inductor`;
+        triton_context (CUDA): the GQA draft context write as one Triton launch."""
         drafts = greedy_drafts
         if triton_chain:
             from .dspark_markov_kernel import greedy_drafts_triton
             drafts = greedy_drafts_triton
         return DrafterRegions(features, gqa_project_kv, gqa_context_kv, mla_context_latents, gqa_attention_inputs,
                               mla_latent, mla_attention_inputs, layer_output, drafts, draft_addressing,
-                              attention_inputs, mla_attention_parts, compiled=False, triton_chain=triton_chain)
+                              attention_inputs, mla_attention_parts, compiled=False, triton_chain=triton_chain,
+                              triton_context=triton_context)
 
     @staticmethod
-    def inductor(triton_chain: bool = False) -> "DrafterRegions":
+    def inductor(triton_chain: bool = False, triton_context: bool = False) -> "DrafterRegions":
         """Every region compiled by inductor (dynamic token count), once per process; the layer
         output is the target's compiled region (`LayerRegions.inductor`). triton_chain (CUDA): the
         greedy drafts' Markov chain runs as n + 1 Triton launches (`dspark_markov_kernel`) instead
-        of three compiled kernels per draft."""
-        return _inductor_regions(triton_chain)
+        of three compiled kernels per draft; triton_context (CUDA): the GQA draft context write as
+        one Triton launch (`dspark_context_kernel`)."""
+        return _inductor_regions(triton_chain, triton_context)
 
 
 @functools.cache
-def _inductor_regions(triton_chain: bool) -> DrafterRegions:
+def _inductor_regions(triton_chain: bool, triton_context: bool) -> DrafterRegions:
     from ..modules.inductor_passes import compile_region
     c = compile_region
     if triton_chain:
@@ -251,4 +259,4 @@ def _inductor_regions(triton_chain: bool) -> DrafterRegions:
                           c(gqa_attention_inputs), c(mla_latent),
                           c(mla_attention_inputs), target.output, drafts,
                           c(draft_addressing), target.attention_inputs, c(mla_attention_parts), compiled=True,
-                          triton_chain=triton_chain)
+                          triton_chain=triton_chain, triton_context=triton_context)

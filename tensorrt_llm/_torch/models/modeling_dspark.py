@@ -18,9 +18,10 @@ import dataclasses
 import json
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
@@ -34,7 +35,7 @@ from ..modules.rms_norm import RMSNorm
 from ..modules.rotary_embedding import RotaryEmbedding
 from .dspark_config import DSPARK_CONFIG_KEYS, GQA_ARCH, MLA_ARCH, DraftKVLayout, DSparkModelConfig
 from .dspark_regions import DrafterRegions
-from .checkpoint import load_state_dict_strict, read_config, read_safetensors
+from .checkpoint import load_state_dict_strict
 from .modeling_llama import LlamaConfig
 
 OPTIONAL_HEADS = ("markov_head",)
@@ -156,6 +157,12 @@ class DSparkForCausalLMBase(nn.Module, ABC):
     def _stack_context_weights(self) -> "ContextWeights":
         """Every layer's context projection (GQA k|v rows, MLA kv_a) and its norm weight, stacked."""
 
+    def _write_all_layers(self, features: torch.Tensor, positions: torch.Tensor, pool: torch.Tensor,
+                          slot_mapping: torch.Tensor, r: DrafterRegions, slots_valid: bool) -> None:
+        """Every layer's context entries of features [N, H] into pool [L, pages, ...] at slot_mapping."""
+        write_slots_layers(pool, self._context_all_layers(features, positions, r), slot_mapping,
+                           all_valid=slots_valid)
+
     @abstractmethod
     def _context_all_layers(self, features: torch.Tensor, positions: torch.Tensor, r: DrafterRegions) -> torch.Tensor:
         """features [N, H] -> every layer's pool entries [N, L, planes, heads, head_dim] (one region call)."""
@@ -221,13 +228,16 @@ class DSparkForCausalLMBase(nn.Module, ABC):
 
     def regions_summary(self) -> str:
         """What the drafter runs: "inductor" | "eager" (every region; with " (Markov chain: Triton)" where
-        the regions' `triton_chain` is set: an engine on CUDA), "modules" (no regions), or the regions'
-        kind with the parts that keep their modules."""
+        the regions' `triton_chain` is set and " (context write: Triton)" where a GQA drafter's
+        `triton_context` is: an engine on CUDA), "modules" (no regions), or the regions' kind with the
+        parts that keep their modules."""
         if self.regions is None:
             return "modules"
         kind = "inductor" if self.regions.compiled else "eager"
         if self.regions.triton_chain:
             kind += " (Markov chain: Triton)"
+        if self.regions.triton_context and not self.config.is_mla:
+            kind += " (context write: Triton)"
         if self.config.quant_config is not None:
             return f"{kind} (propose only: fc and the layers run their FP8 block-scaled modules)"
         return kind
@@ -276,8 +286,7 @@ class DSparkForCausalLMBase(nn.Module, ABC):
         if pool is not None:        # the pool's layers are one tensor: one projection, one write
             if not self._context_weights.current():     # a weight changed in place since use_regions
                 self._context_weights = self._stack_context_weights()
-            write_slots_layers(pool, self._context_all_layers(features, positions, r), slot_mapping,
-                               all_valid=slots_valid)
+            self._write_all_layers(features, positions, pool, slot_mapping, r, slots_valid)
             return
 
         def write(cache: torch.Tensor, plane: int, values: torch.Tensor) -> None:
@@ -475,6 +484,15 @@ class GQADSparkForCausalLM(DSparkForCausalLMBase):
         ws, bs = zip(*(a.kv_weights() for a in attns))
         return ContextWeights.stack(ws, bs, [a.k_norm.weight for a in attns], attns[0].k_norm.eps)
 
+    def _write_all_layers(self, features: torch.Tensor, positions: torch.Tensor, pool: torch.Tensor,
+                          slot_mapping: torch.Tensor, r: DrafterRegions, slots_valid: bool) -> None:
+        if not r.triton_context:
+            return super()._write_all_layers(features, positions, pool, slot_mapping, r, slots_valid)
+        from .dspark_context_kernel import write_gqa_context
+        cw = self._context_weights
+        write_gqa_context(F.linear(features, cw.weight, cw.bias), cw.norm_weight, cw.eps, positions,
+                          *self.rotary.tables(positions.device), pool, slot_mapping)
+
     def _context_all_layers(self, features: torch.Tensor, positions: torch.Tensor, r: DrafterRegions) -> torch.Tensor:
         cw, a = self._context_weights, self.layers[0].self_attn
         kv = r.gqa_context_kv(features, cw.weight, cw.bias, cw.norm_weight, cw.eps, positions,
@@ -563,52 +581,3 @@ def _regions(regions: Optional[DrafterRegions], compiled: bool) -> Optional[Draf
     if regions is None or compiled or not regions.compiled:
         return regions
     return DrafterRegions.eager()
-
-
-DRAFTER_REGISTRY: dict[str, type[DSparkForCausalLMBase]] = {
-    GQA_ARCH: GQADSparkForCausalLM, MLA_ARCH: MLADSparkForCausalLM}
-
-
-def check_against_target(cfg: DSparkModelConfig, target: LlamaConfig, source: str) -> None:
-    """The drafter shares the target's embedding/lm_head and reads its hidden states."""
-    pairs = (("hidden_size", cfg.hidden_size, "hidden_size", target.hidden_size),
-             ("vocab_size", cfg.vocab_size, "vocab_size", target.vocab_size),
-             ("dspark_config.num_target_hidden", cfg.num_target_hidden, "hidden_size", target.hidden_size))
-    for name, mine, tname, theirs in pairs:
-        if mine != theirs:
-            raise ValueError(f"{source}: drafter {name} {mine} does not match the target's {tname} {theirs}")
-    bad = [i for i in cfg.target_layer_ids if i >= target.num_hidden_layers]
-    if bad:
-        raise ValueError(f"{source}: dspark_config.target_layer_ids {list(cfg.target_layer_ids)} name layers "
-                         f"{bad} but the target has {target.num_hidden_layers} layers")
-
-
-def load_drafter(folder: str | Path, target_config: LlamaConfig, dtype: torch.dtype, device: torch.device,
-                 overrides: Optional[Mapping[str, Any]] = None,
-                 max_positions: Optional[int] = None, for_inference: bool = True) -> DSparkForCausalLMBase:
-    """Build the drafter named by `folder/config.json` and load its weights strictly.
-
-    overrides: dspark_config keys to replace (e.g. mask_token_id, target_layer_ids from
-    DSparkDecodingConfig); None values are skipped. The caller binds the target afterwards.
-    max_positions: rope positions the engine may reach (the target's table: max_seq_len plus the
-    draft lookahead), when more than either config's max_position_embeddings.
-    for_inference: run `post_load_weights` (derived weights, FP8 quantization per quant_config, fused
-    projections and the eager regions); False keeps exactly the checkpoint's parameters (a training init).
-    """
-    source = str(Path(folder) / "config.json")
-    cfg_dict = read_config(folder)
-    ov = {k: v for k, v in (overrides or {}).items() if v is not None}
-    unknown = sorted(set(ov) - set(DSPARK_CONFIG_KEYS))
-    if unknown:
-        raise ValueError(f"unknown drafter overrides {unknown}; known: {list(DSPARK_CONFIG_KEYS)}")
-    if ov and isinstance(cfg_dict.get("dspark_config"), dict):
-        cfg_dict = {**cfg_dict, "dspark_config": {**cfg_dict["dspark_config"], **ov}}
-    cfg = DSparkModelConfig.from_dict(cfg_dict, source)
-    check_against_target(cfg, target_config, source)
-    max_pos = max(cfg.max_position_embeddings, target_config.max_position_embeddings, max_positions or 0)
-    model = DRAFTER_REGISTRY[cfg.architecture](cfg, max_pos)
-    model.load_checkpoint_state(read_safetensors(folder), str(folder))
-    model = model.to(device=device, dtype=dtype).eval()
-    if for_inference:
-        model.post_load_weights()
-    return model

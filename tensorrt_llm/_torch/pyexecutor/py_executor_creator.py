@@ -70,11 +70,13 @@ def create_py_executor(args: TorchLlmArgs, tokenizer: TokenizerWrapper) -> Execu
         from ..speculative.dspark_worker import create_dspark_worker
         drafter = create_dspark_worker(args.speculative_config, model, dtype, device)
         from ..models.dspark_regions import DrafterRegions
-        cuda = device.type == "cuda"       # the greedy Markov chain in Triton (`dspark_markov_kernel`)
+        # on CUDA the greedy Markov chain and the GQA draft context write in Triton
+        # (`dspark_markov_kernel`, `dspark_context_kernel`)
+        cuda = device.type == "cuda"
         if tcc is not None and tcc.enable_inductor:
-            drafter.drafter.use_regions(DrafterRegions.inductor(triton_chain=cuda))
+            drafter.drafter.use_regions(DrafterRegions.inductor(triton_chain=cuda, triton_context=cuda))
         elif cuda and drafter.drafter.regions is not None:
-            drafter.drafter.use_regions(DrafterRegions.eager(triton_chain=True))
+            drafter.drafter.use_regions(DrafterRegions.eager(triton_chain=True, triton_context=True))
         specs.append(drafter.kv_cache_spec)
         salt += f"|draft:{drafter.identity}"
     p = kvc.tokens_per_block

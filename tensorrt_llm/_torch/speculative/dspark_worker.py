@@ -446,7 +446,7 @@ class DSparkWorker(Drafter):
 def create_dspark_worker(cfg: DSparkDecodingConfig, target: torch.nn.Module, dtype: torch.dtype,
                          device: torch.device) -> DSparkWorker:
     """Load the drafter (validated against the target), resolve its backend, build the worker."""
-    from ..models.modeling_dspark import load_drafter
+    from ..models.dspark_loader import load_drafter
     overrides = {}
     if cfg.mask_token_id is not None:
         overrides["mask_token_id"] = cfg.mask_token_id

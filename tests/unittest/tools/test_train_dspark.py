@@ -13,7 +13,8 @@ import torch
 
 from tensorrt_llm._torch.attention_backend.interface import BAD_PAGE_INDEX, AttentionMetadata
 from tensorrt_llm._torch.attention_backend.vanilla import VanillaAttention
-from tensorrt_llm._torch.models.modeling_dspark import DSparkForCausalLMBase, load_drafter
+from tensorrt_llm._torch.models.dspark_loader import load_drafter
+from tensorrt_llm._torch.models.modeling_dspark import DSparkForCausalLMBase
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
 from tensorrt_llm._torch.speculative.dspark_worker import draft_kv_cache_spec
 from tensorrt_llm.tools.dspark_data import regenerate

@@ -3,7 +3,10 @@ tensor: `gqa_context_kv` / `mla_context_latents`, `stacked_layers`, `write_slots
 per-layer write (each layer's own region call and write, the path for caches that are separate
 tensors). CPU, float32: bitwise equal (the stacked GEMM's columns are the layers' own GEMMs'); the
 inductor regions within 1e-4; a weight changed in place after loading is seen; -1 slots are skipped.
-Control: a layer's k_norm / kv_a_layernorm weight x3 changes that layer's entries by > 1e-2."""
+Control: a layer's k_norm / kv_a_layernorm weight x3 changes that layer's entries by > 1e-2.
+A GQA drafter with `triton_context` (CUDA engines; Triton's interpreter here) writes the same pool in
+one launch after the stacked GEMM: within 1e-6 in float32 (bf16 within two ulps of the values'
+scale), nothing at the -1 slot, the perturbed norm weight seen; its validation names the argument."""
 from __future__ import annotations
 
 import dataclasses
@@ -84,3 +87,84 @@ def test_stacked_layers_only_for_equally_spaced_views():
     assert stacked_layers([pool[0], pool[2], pool[1]]) is None                 # out of order
     assert stacked_layers([torch.zeros(4, 2, 5) for _ in range(3)]) is None    # separate tensors
     assert stacked_layers([pool[0], pool[1, :2]]) is None                      # shapes differ
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_context_write_equals_the_regions(dtype):
+    pytest.importorskip("triton")
+    d = _drafter("gqa", CPU, torch.float32)
+    want = _write(d, stacked=True)
+    d.use_regions(DrafterRegions.eager(triton_context=True))
+    assert d.regions_summary() == "eager (context write: Triton)"
+    got = _write(d, stacked=True)
+    assert _rel(got, want) < 1e-6
+    assert torch.equal(got == 0, want == 0)                   # the same cells written, the -1 slot not
+    if dtype == torch.bfloat16:           # the kernel itself in bf16 against the region in bf16
+        from tensorrt_llm._torch.models.dspark_context_kernel import write_gqa_context
+        from tensorrt_llm._torch.models.dspark_regions import gqa_context_kv
+        from tensorrt_llm._torch.attention_backend.interface import write_slots_layers
+        g = torch.Generator().manual_seed(9)
+        cw, a = d._context_weights, d.layers[0].self_attn
+        feats = torch.randn(SLOTS.numel(), cw.weight.shape[1], generator=g).to(dtype)
+        w, b, nw = cw.weight.to(dtype), None if cw.bias is None else cw.bias.to(dtype), cw.norm_weight.to(dtype)
+        pos = torch.arange(7, 7 + SLOTS.numel())
+        spec = draft_kv_cache_spec(d, dtype)
+        ref, out = (torch.zeros((spec.num_layers,) + spec.layer_shape(PAGES, P), dtype=dtype) for _ in range(2))
+        cos_t, sin_t = d.rotary.tables(CPU)
+        vals = gqa_context_kv(feats, w, b, nw, cw.eps, pos, cos_t, sin_t, False, a.num_kv_heads, a.head_dim)
+        write_slots_layers(ref, vals.view(vals.shape[0], vals.shape[1], 2, a.num_kv_heads, a.head_dim), SLOTS)
+        write_gqa_context(torch.nn.functional.linear(feats, w, b), nw, cw.eps, pos, cos_t, sin_t, out, SLOTS)
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -6, atol=2 ** -6)
+    norm = d.layers[1].self_attn.k_norm                       # control: the stacked weight re-read
+    with torch.no_grad():
+        norm.weight.mul_(3.0)
+    bad = _write(d, stacked=True)
+    assert _rel(bad[1], want[1]) > 1e-2 and _rel(bad[0], want[0]) < 1e-6
+
+
+def test_triton_context_write_names_bad_arguments():
+    pytest.importorskip("triton")
+    from tensorrt_llm._torch.models.dspark_context_kernel import write_gqa_context
+    layers, hkv, d_ = 2, 2, 16
+    pool = torch.zeros(layers, PAGES, 2, hkv, P, d_)
+    kv, nw = torch.zeros(3, layers * 2 * hkv * d_), torch.ones(layers, d_)
+    pos, slots, tab = torch.arange(3), torch.tensor([0, 1, -1]), torch.zeros(8, d_)
+    ok = dict(kv=kv, norm_weight=nw, eps=1e-5, positions=pos, cos_t=tab, sin_t=tab, pool=pool, slot_mapping=slots)
+    write_gqa_context(**ok)
+    for change, message in ((dict(pool=pool[:, :, :1]), "pool must be"), (dict(kv=kv[:, :-1]), "kv must be"),
+                            (dict(norm_weight=nw[:1]), "norm_weight must be"), (dict(eps=0.0), "eps must be"),
+                            (dict(cos_t=tab.double()), "cos_t must be"), (dict(positions=pos.int()), "positions must"),
+                            (dict(slot_mapping=slots[:2]), "slot_mapping must be"),
+                            (dict(pool=pool.transpose(3, 4)), "pool layers must be contiguous")):
+        with pytest.raises(ValueError, match=message):
+            write_gqa_context(**{**ok, **change})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_context_write_on_gpu():
+    """bf16 on the H200 at the shipped GQA drafter's widths (5 layers, 16 KV heads x 64, pages of 32):
+    the kernel's pool equals the region + scatter within two bf16 ulps of the values' scale."""
+    from tensorrt_llm._torch.attention_backend.interface import write_slots_layers
+    from tensorrt_llm._torch.models.dspark_context_kernel import write_gqa_context
+    from tensorrt_llm._torch.models.dspark_regions import gqa_context_kv
+    from tensorrt_llm._torch.modules.rotary_embedding import RotaryEmbedding
+    dev, dt, layers, hkv, d_, page, t = torch.device("cuda"), torch.bfloat16, 5, 16, 64, 32, 576
+    g = torch.Generator().manual_seed(3)
+    feats = torch.randn(t, 576, generator=g).to(dev, dt)
+    w = (torch.randn(layers * 2 * hkv * d_, 576, generator=g) * 576 ** -0.5).to(dev, dt)
+    nw = (1 + 0.3 * torch.randn(layers, d_, generator=g)).to(dev, dt)
+    pos = torch.randint(0, 4000, (t,), generator=g).to(dev)
+    slots = torch.randperm(64 * page, generator=g)[:t].to(dev)
+    slots[5] = -1
+    cos_t, sin_t = RotaryEmbedding(d_, 10000.0, 4096).tables(dev)
+    ref, out = (torch.zeros(layers, 64, 2, hkv, page, d_, dtype=dt, device=dev) for _ in range(2))
+    vals = gqa_context_kv(feats, w, None, nw, 1e-5, pos, cos_t, sin_t, False, hkv, d_)
+    write_slots_layers(ref, vals.view(t, layers, 2, hkv, d_), slots)
+    write_gqa_context(torch.nn.functional.linear(feats, w), nw, 1e-5, pos, cos_t, sin_t, out, slots)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -6, atol=2 ** -6)
+    wrong = nw.clone()
+    wrong[2] *= 3                                      # control: another norm weight for layer 2
+    bad = torch.zeros_like(out)
+    write_gqa_context(torch.nn.functional.linear(feats, w), wrong, 1e-5, pos, cos_t, sin_t, bad, slots)
+    assert (bad[2].float() - ref[2].float()).abs().max() > 0.1

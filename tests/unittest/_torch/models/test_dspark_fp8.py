@@ -12,7 +12,8 @@ import torch
 from tensorrt_llm import SamplingParams
 from tensorrt_llm._torch.models.checkpoint import read_config
 from tensorrt_llm._torch.models.dspark_config import DSparkModelConfig
-from tensorrt_llm._torch.models.modeling_dspark import DSparkForCausalLMBase, load_drafter
+from tensorrt_llm._torch.models.dspark_loader import load_drafter
+from tensorrt_llm._torch.models.modeling_dspark import DSparkForCausalLMBase
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
 from tensorrt_llm._torch.modules.fp8_block import FP8BlockLinear
 

@@ -12,9 +12,9 @@ from safetensors.torch import load_file, save_file
 
 from tensorrt_llm._torch.attention_backend.interface import BAD_PAGE_INDEX, AttentionMetadata
 from tensorrt_llm._torch.attention_backend.vanilla import VanillaAttention
-from tensorrt_llm._torch.models.modeling_dspark import (DRAFTER_REGISTRY, DSparkForCausalLMBase,
-                                                         GQADSparkForCausalLM, MLADSparkForCausalLM,
-                                                         load_drafter)
+from tensorrt_llm._torch.models.dspark_loader import DRAFTER_REGISTRY, load_drafter
+from tensorrt_llm._torch.models.modeling_dspark import (DSparkForCausalLMBase, GQADSparkForCausalLM,
+                                                         MLADSparkForCausalLM)
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig, LlamaForCausalLM
 from tensorrt_llm._torch.models.dspark_config import DSparkModelConfig
 from tensorrt_llm._torch.speculative.dspark_worker import draft_kv_cache_spec
