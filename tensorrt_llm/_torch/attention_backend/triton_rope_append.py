@@ -261,11 +261,11 @@ def mla_rope_append(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, c
         return out
     w = block_tables.shape[1]
     _mla_rope_append_kernel[(t_n,)](
-        q_lat, q_lat.stride(0), q_lat.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1), kv, kv.stride(0), cos, cos.stride(0), sin,
-        sin.stride(0), norm_weight, float(eps), out, kv_cache, kv_cache.stride(0), slot_mapping, block_tables,
-        block_tables.stride(0), w, qo_indptr if qo_indptr is not None else slot_mapping, b_n,
-        max(tokens_per_seq, 1), kv_cache.shape[0], refused, H=heads, H_P=triton.next_power_of_2(heads), R=rank,
-        DR=rope_dim, PAGE=page_size, RAGGED=qo_indptr is not None,
+        q_lat, q_lat.stride(0), q_lat.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1), kv, kv.stride(0), cos,
+        cos.stride(0), sin, sin.stride(0), norm_weight, float(eps), out, kv_cache, kv_cache.stride(0),
+        slot_mapping, block_tables, block_tables.stride(0), w, qo_indptr if qo_indptr is not None else slot_mapping,
+        b_n, max(tokens_per_seq, 1), kv_cache.shape[0], refused, H=heads, H_P=triton.next_power_of_2(heads),
+        R=rank, DR=rope_dim, PAGE=page_size, RAGGED=qo_indptr is not None,
         BLOCK_W=min(triton.next_power_of_2(max(w, 1)), 256), BLOCK_B=min(triton.next_power_of_2(b_n + 1), 256),
         num_warps=4)
     return out
