@@ -119,20 +119,26 @@ def gqa_attention_inputs(h: torch.Tensor, norm_w: torch.Tensor, qkv_w: torch.Ten
     return split_qkv(torch.cat((qk, qkv[:, nqk:].view(t, num_kv_heads, head_dim)), dim=1), num_heads, num_kv_heads)
 
 
-def mla_latent(x: torch.Tensor, kv_a_w: torch.Tensor, kv_norm_w: torch.Tensor, eps: float, positions: torch.Tensor,
-               cos_t: torch.Tensor, sin_t: torch.Tensor, interleaved: bool, kv_lora_rank: int) -> torch.Tensor:
-    """x [T, H] -> latent [T, R + rope] = [kv_a_layernorm(c_kv) | RoPE(k_pe)] (kv_a_w [R + rope, H])."""
-    ckv, k_pe = F.linear(x, kv_a_w).split([kv_lora_rank, kv_a_w.shape[0] - kv_lora_rank], dim=-1)
+def _latent_from_kv(kv: torch.Tensor, kv_norm_w: torch.Tensor, eps: float, positions: torch.Tensor,
+                    cos_t: torch.Tensor, sin_t: torch.Tensor, interleaved: bool, kv_lora_rank: int) -> torch.Tensor:
+    """The kv_a GEMM's output [T, R + rope] = [c_kv | k_pe] -> latent [kv_a_layernorm(c_kv) | RoPE(k_pe)]."""
+    ckv, k_pe = kv.split([kv_lora_rank, kv.shape[-1] - kv_lora_rank], dim=-1)
     k_pe = _rope(k_pe[:, None, :], positions, cos_t, sin_t, interleaved)[:, 0]
     return torch.cat((rms_norm(ckv, kv_norm_w, eps), k_pe), dim=-1)
 
 
-def mla_attention_inputs(h: torch.Tensor, norm_w: torch.Tensor, eps: float, q_a_w: Optional[torch.Tensor],
-                         q_a_norm_w: Optional[torch.Tensor], q_w: torch.Tensor, kv_a_w: torch.Tensor,
-                         kv_norm_w: torch.Tensor, w_uk: torch.Tensor, positions: torch.Tensor, cos_t: torch.Tensor,
-                         sin_t: torch.Tensor, interleaved: bool, kv_lora_rank: int
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """h [T, H] residual stream -> (absorbed q [T, Hq, R + rope], latent [T, R + rope]) of an MLA layer.
+def mla_latent(x: torch.Tensor, kv_a_w: torch.Tensor, kv_norm_w: torch.Tensor, eps: float, positions: torch.Tensor,
+               cos_t: torch.Tensor, sin_t: torch.Tensor, interleaved: bool, kv_lora_rank: int) -> torch.Tensor:
+    """x [T, H] -> latent [T, R + rope] = [kv_a_layernorm(c_kv) | RoPE(k_pe)] (kv_a_w [R + rope, H])."""
+    return _latent_from_kv(F.linear(x, kv_a_w), kv_norm_w, eps, positions, cos_t, sin_t, interleaved, kv_lora_rank)
+
+
+def mla_attention_parts(h: torch.Tensor, norm_w: torch.Tensor, eps: float, q_a_w: Optional[torch.Tensor],
+                        q_a_norm_w: Optional[torch.Tensor], q_w: torch.Tensor, kv_a_w: torch.Tensor,
+                        w_uk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h [T, H] residual stream -> (q_lat [T, Hq, R] = q_nope W_UK, unrotated q_pe [T, Hq, rope], the
+    raw latent [T, R + rope] = [c_kv | k_pe] before its norm and rotation): `mla_attention_inputs`
+    up to what a backend with `fused_rope_append` does in its append (`forward_mla_rope`).
 
     q_w: q_proj [Hq (nope + rope), H], or q_b_proj after q_a_w / q_a_norm_w (q_lora; both None
     without); w_uk [Hq, nope, R] (`MLAAttention.w_uk_uv`)."""
@@ -141,24 +147,20 @@ def mla_attention_inputs(h: torch.Tensor, norm_w: torch.Tensor, eps: float, q_a_
     heads, nope = w_uk.shape[0], w_uk.shape[1]
     q = F.linear(qx, q_w).view(t, heads, -1)
     q_nope, q_pe = q.split([nope, q.shape[-1] - nope], dim=-1)
-    q_pe = _rope(q_pe, positions, cos_t, sin_t, interleaved)
-    q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
-    latent = mla_latent(x, kv_a_w, kv_norm_w, eps, positions, cos_t, sin_t, interleaved, kv_lora_rank)
-    return torch.cat((q_lat, q_pe.to(q_lat.dtype)), dim=-1), latent
-
-
-def mla_attention_parts(h: torch.Tensor, norm_w: torch.Tensor, eps: float, q_a_w: Optional[torch.Tensor],
-                        q_a_norm_w: Optional[torch.Tensor], q_w: torch.Tensor, kv_a_w: torch.Tensor,
-                        w_uk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """h [T, H] residual stream -> (q_lat [T, Hq, R] = q_nope W_UK, unrotated q_pe [T, Hq, rope], the
-    raw latent [T, R + rope] = [c_kv | k_pe] before its norm and rotation): `mla_attention_inputs`
-    up to what a backend with `fused_rope_append` does in its append (`forward_mla_rope`)."""
-    t, x = h.shape[0], rms_norm(h, norm_w, eps)
-    qx = x if q_a_w is None else rms_norm(F.linear(x, q_a_w), q_a_norm_w, eps)
-    heads, nope = w_uk.shape[0], w_uk.shape[1]
-    q = F.linear(qx, q_w).view(t, heads, -1)
-    q_nope, q_pe = q.split([nope, q.shape[-1] - nope], dim=-1)
     return torch.einsum("thn,hnr->thr", q_nope, w_uk), q_pe, F.linear(x, kv_a_w)
+
+
+def mla_attention_inputs(h: torch.Tensor, norm_w: torch.Tensor, eps: float, q_a_w: Optional[torch.Tensor],
+                         q_a_norm_w: Optional[torch.Tensor], q_w: torch.Tensor, kv_a_w: torch.Tensor,
+                         kv_norm_w: torch.Tensor, w_uk: torch.Tensor, positions: torch.Tensor, cos_t: torch.Tensor,
+                         sin_t: torch.Tensor, interleaved: bool, kv_lora_rank: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [T, H] residual stream -> (absorbed q [T, Hq, R + rope], latent [T, R + rope]) of an MLA layer:
+    `mla_attention_parts`, then the rotations and the latent's norm (weights as there)."""
+    q_lat, q_pe, kv = mla_attention_parts(h, norm_w, eps, q_a_w, q_a_norm_w, q_w, kv_a_w, w_uk)
+    q_pe = _rope(q_pe, positions, cos_t, sin_t, interleaved)
+    latent = _latent_from_kv(kv, kv_norm_w, eps, positions, cos_t, sin_t, interleaved, kv_lora_rank)
+    return torch.cat((q_lat, q_pe.to(q_lat.dtype)), dim=-1), latent
 
 
 def greedy_drafts(hidden: torch.Tensor, anchor_ids: torch.Tensor, lm_w: torch.Tensor, lm_b: Optional[torch.Tensor],
