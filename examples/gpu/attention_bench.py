@@ -6,12 +6,13 @@ Shapes (SmolLM2-135M target, the shipped drafters, page 32, context ~ the MT-Ben
   target verify   : B x 9 queries, same heads, causal
   GQA draft block : B x 8 queries, 16 / 16 heads x 64, non-causal
   MLA draft block : B x 8 queries, 16 heads over one 576-wide latent (512 value), non-causal
-TRITON runs with its default KV split (sized by the grid) and with num_splits=1 ("triton_nosplit").
-Per shape and batch (1 and 64): CUDA-event time of a CUDA graph of 20 calls (so launch cost is
+TRITON runs with its default KV split (sized by the grid, "triton") and with each count of --splits
+("triton_s1", "triton_s2", ...); FLASHINFER with --flashinfer. Per shape, batch and context: CUDA-event time of a CUDA graph of 20 calls (so launch cost is
 excluded), median of 5 replays; FLASHINFER's plan is made once outside the timing, and its host
 plan time per call is reported separately. Prints a table; --json writes it.
 
-    . examples/gpu/device_setup.sh && python3 examples/gpu/attention_bench.py --json $OUT/attn.json
+    . examples/gpu/device_setup.sh && python3 examples/gpu/attention_bench.py --batch 1 16 64 --ctx 256 512 \
+        --splits 1 2 4 8 16 --json $OUT/attn.json
 """
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def _graph_us(fn, calls: int = 20, reps: int = 5) -> float:
     return statistics.median(times)
 
 
-def _case(name: str, batch: int, ctx: int, dev: torch.device) -> dict:
+def _case(name: str, batch: int, ctx: int, dev: torch.device, splits: list[int], flashinfer: bool) -> dict:
     qps, hq, hkv, d, mla, causal = SHAPES[name]
     pages_per = -(-(ctx + qps) // P)
     n_pages = batch * pages_per + 1
@@ -71,8 +72,10 @@ def _case(name: str, batch: int, ctx: int, dev: torch.device) -> dict:
     q = torch.randn(t, hq, d, device=dev, dtype=torch.bfloat16)
     v_dim = 512 if mla else d
     out = {}
-    for label, backend in (("triton", TritonAttention()), ("triton_nosplit", TritonAttention(num_splits=1)),
-                           ("flashinfer", FlashInferAttention())):
+    arms = [("triton", TritonAttention())] + [(f"triton_s{n}", TritonAttention(num_splits=n)) for n in splits]
+    if flashinfer:
+        arms.append(("flashinfer", FlashInferAttention()))
+    for label, backend in arms:
         md = AttentionMetadata(**md_args, graph_shape=(batch, qps, pages_per),
                                kv_lens_device=torch.full((batch,), ctx + qps, dtype=torch.int32, device=dev))
         t0 = time.perf_counter()
@@ -100,20 +103,23 @@ def _linear_case(n: int, k: int, tokens: int, dev: torch.device) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
-    ap.add_argument("--ctx", type=int, default=400, help="cached tokens per request")
+    ap.add_argument("--ctx", type=int, nargs="+", default=[400], help="cached tokens per request")
+    ap.add_argument("--splits", type=int, nargs="*", default=[1], help="fixed KV split counts to time")
+    ap.add_argument("--flashinfer", action="store_true", help="also time FLASHINFER (JIT-compiles on a fresh machine)")
+    ap.add_argument("--linear", action="store_true", help="also time the FP8 block linear against bf16")
     ap.add_argument("--json")
     a = ap.parse_args()
     dev = torch.device("cuda")
     rows = []
     for name in SHAPES:
         for b in a.batch:
-            r = {"shape": name, "batch": b, "ctx": a.ctx, **_case(name, b, a.ctx, dev)}
-            rows.append(r)
-            print(f"{name:16s} B={b:3d}  triton {r['triton']['us_per_call']:8.2f} us (no split "
-                  f"{r['triton_nosplit']['us_per_call']:8.2f})   flashinfer "
-                  f"{r['flashinfer']['us_per_call']:8.2f} us (host prepare {r['flashinfer']['host_prepare_us']:.0f} us)",
-                  flush=True)
-    for n, k in ((576, 576), (384 * 2, 576), (576, 2880)):   # q/o, gate+up, fc (5 x 576 -> 576)
+            for ctx in a.ctx:
+                r = {"shape": name, "batch": b, "ctx": ctx, **_case(name, b, ctx, dev, a.splits, a.flashinfer)}
+                rows.append(r)
+                arms = "  ".join(f"{k.removeprefix('triton_')} {v['us_per_call']:6.2f}" for k, v in r.items()
+                                 if isinstance(v, dict))
+                print(f"{name:16s} B={b:3d} ctx={ctx:4d}  us per call: {arms}", flush=True)
+    for n, k in ((576, 576), (384 * 2, 576), (576, 2880)) if a.linear else ():   # q/o, gate+up, fc (5 x 576 -> 576)
         for t in (8, 512):
             r = {"linear": f"{n}x{k}", "tokens": t, **_linear_case(n, k, t, dev)}
             rows.append(r)
