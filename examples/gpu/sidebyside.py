@@ -16,7 +16,8 @@ it exports PYTHONPATH / FLASHINFER_WORKSPACE_BASE and puts the model, drafters a
   Fewer arms or levels: --arms nospec,gqa --concurrency 1 16; another drafter: --gqa DIR; extra engine
   args for all engine arms: --extra-yaml 'batch_wait_timeout_iters: 8'; DSpark arms on the TRITON target
   (overlapped DSpark steps) next to a FLASHINFER no-spec: --spec-backend TRITON; a batch-aware verify
-  width: --spec-extra-yaml '{draft_len_schedule: {4: 8, 16: 4, 64: 2}}'.
+  width: --spec-extra-yaml '{draft_len_schedule: {4: 8, 16: 4, 64: 2}}'; an extra arm next to the presets:
+  --variant 'gqa_slots8=gqa:{batch_admit_min_slots: 8}'.
 Rough time of (2) on one H200 at the 2026-12-01 speeds: ~60 s per round of the four arms, plus building
 the three engines and compiling HF (~1-2 min with warm caches); --deadline-s (default 540) starts no
 round that would end past it, and the JSON / markdown are rewritten after every round. With --anchor in
@@ -60,27 +61,40 @@ def drafter_dir(kind: str) -> str:
 
 def arm_specs(arms: Sequence[str], gqa: str, mla: str, backend: str, graphs: bool, kv_tokens: int,
               extra_yaml: Optional[str], spec_backend: Optional[str] = None,
-              spec_extra_yaml: Optional[str] = None) -> list[str]:
+              spec_extra_yaml: Optional[str] = None, variants: Sequence[str] = ()) -> list[str]:
     """``NAME=SPEC`` arguments of tensorrt_llm.bench.sidebyside for the preset arm names
     (spec_backend: the DSpark arms' target attention backend, default `backend`; spec_extra_yaml:
-    a mapping merged into their speculative_config, e.g. a draft_len_schedule)."""
+    a mapping merged into their speculative_config, e.g. a draft_len_schedule), then one per
+    variant ``NAME=ARM:YAML``: preset engine arm ARM with the YAML mapping merged into its args
+    (a `speculative_config` mapping is merged into ARM's)."""
     engine = {"attn_backend": backend, "use_cuda_graph": graphs, "kv_cache_config": {"max_tokens": kv_tokens}}
     engine.update(yaml_mapping(extra_yaml, "--extra-yaml"))
     spec_extra = yaml_mapping(spec_extra_yaml, "--spec-extra-yaml")
-    out = []
-    for a in arms:
-        if a == "hf":
-            out.append("hf=hf")
-        elif a == "nospec":
-            out.append("nospec=" + yaml.safe_dump(engine, default_flow_style=True).strip())
-        elif a in ("gqa", "mla"):
+
+    def preset(a: str) -> dict:
+        if a == "nospec":
+            return dict(engine)
+        if a in ("gqa", "mla"):
             spec = {**engine, "speculative_config": {"decoding_type": "DSpark",
                                                      "speculative_model": gqa if a == "gqa" else mla, **spec_extra}}
             if spec_backend:
                 spec["attn_backend"] = spec_backend
-            out.append(f"{a}=" + yaml.safe_dump(spec, default_flow_style=True).strip())
-        else:
-            raise ValueError(f"unknown arm {a!r}; choose from {ARMS}")
+            return spec
+        raise ValueError(f"unknown arm {a!r}; choose from {ARMS}")
+
+    def dump(name: str, args: dict) -> str:
+        return f"{name}=" + yaml.safe_dump(args, default_flow_style=True).strip()
+
+    out = ["hf=hf" if a == "hf" else dump(a, preset(a)) for a in arms]
+    for v in variants:
+        name, sep, rest = v.partition("=")
+        base, sep2, text = rest.partition(":")
+        if not (sep and sep2 and name) or base == "hf" or name in arms:
+            raise ValueError(f"variant {v!r} must be NAME=ARM:YAML with a new NAME and an engine ARM")
+        args, extra = preset(base), yaml_mapping(text, f"variant {name}")
+        if "speculative_config" in extra and "speculative_config" in args:
+            extra["speculative_config"] = {**args["speculative_config"], **extra["speculative_config"]}
+        out.append(dump(name, {**args, **extra}))
     return out
 
 
@@ -93,7 +107,7 @@ def build_argv(a: argparse.Namespace) -> list[str]:
     else:
         argv += ["--dataset", "mtbench"] + (["--dataset-cache-dir", a.dataset_cache_dir] if a.dataset_cache_dir else [])
     for spec in arm_specs(arms, a.gqa, a.mla, a.backend, a.graphs, a.kv_tokens, a.extra_yaml, a.spec_backend,
-                          a.spec_extra_yaml):
+                          a.spec_extra_yaml, a.variant):
         argv += ["--arm", spec]
     if "nospec" in arms and len(arms) > 1:
         argv += ["--ratio-to", "nospec"]
@@ -128,6 +142,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True, help="use_cuda_graph")
     ap.add_argument("--kv-tokens", type=int, default=262144, help="kv_cache_config.max_tokens of each engine arm")
     ap.add_argument("--extra-yaml", default=None, help="YAML mapping merged into every engine arm's args")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=ARM:YAML",
+                    help="an extra engine arm: preset ARM with the YAML mapping merged into its args, e.g. "
+                    "'gqa_slots8=gqa:{batch_admit_min_slots: 8}' (repeatable)")
     ap.add_argument("--anchor", action="store_true", help="also run compiled_step_anchor.py once, after the rounds")
     ap.add_argument("--anchor-timeout-s", type=float, default=240, help="the anchor's limit, kept free of rounds")
     ap.add_argument("--deadline-s", type=float, default=540, help="see tensorrt_llm/bench/sidebyside.py")

@@ -5,12 +5,14 @@ bias of draft j-1 (the anchor for j = 0), bias = w2 @ w1[prev] (`MarkovHead`, ra
 torch ops, each draft is three kernels (the embedding row, a [R, r] x [r, V] GEMM, a fused add +
 argmax that a small batch runs on one block per row): ~13.5 us per draft on an H200 at batch 1.
 
-Here launch j (grid: blocks of up to 8 rows x vocabulary tiles of 512) first finishes draft j-1:
-for each of its rows a program reduces the per-tile maxima that launch j-1 left (lowest index
-among equal maxima, as `torch.argmax`) to the previous pick, and tile 0 stores it. Then it adds
-the bias over its vocabulary tile (r float32 products per entry from the tile's Markov weights,
-loaded once for all its rows; rounded to the weights' dtype as the torch GEMM's output is) to the
-row's logits tile and leaves the tile's maximum and its index. A last launch reduces the final draft.
+Here launch j (grid: blocks of up to 16 rows x vocabulary tiles of 512) first finishes draft j-1:
+a program reduces, for all its rows at once, the per-tile maxima that launch j-1 left (lowest index
+among equal maxima, as `torch.argmax`) to the previous picks, and tile 0 stores them. Then it adds
+the bias over its vocabulary tile (r float32 products per entry, summed over the rank for all rows
+together; rounded to the weights' dtype as the torch GEMM's output is) to the rows' logits tile and
+leaves each row's tile maximum and its index. A last launch reduces the final draft. The rows are
+one [rows, tile] block, so a program's dependent loads (previous maxima, Markov rows) are issued
+once, not once per row.
 The partials alternate between two buffers, so launch j reads what launch j-1 wrote.
 
 `markov_greedy_chain` is the reference-checked entry point: the ids equal `dspark_regions.
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-MAX_BLOCK_R = 8       # rows per program (they share the program's tile of Markov weights)
+MAX_BLOCK_R = 16      # rows per program (they share the program's tile of Markov weights)
 BLOCK_V = 512         # vocabulary entries per program
 NO_INDEX = tl.constexpr(2 ** 31 - 1)   # a global a Triton kernel reads must be a constexpr
 
@@ -35,41 +37,41 @@ NO_INDEX = tl.constexpr(2 ** 31 - 1)   # a global a Triton kernel reads must be 
 def _markov_draft_kernel(logits_ptr, stride_lr, stride_lj, anchors_ptr, w1_ptr, stride_w1, w2_ptr, stride_w2,
                          pval_ptr, pidx_ptr, ids_ptr, stride_ir, R, V, NT, j, rank,
                          HAS_MARKOV: tl.constexpr, FIRST: tl.constexpr, SCAN: tl.constexpr,
-                         RANK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr):
+                         BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr):
     tile = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
     cols = tile * BLOCK_V + tl.arange(0, BLOCK_V)
     cmask = cols < V
-    ks = tl.arange(0, RANK_P)
-    kmask = ks < rank
-    if SCAN and HAS_MARKOV:       # the tile's Markov weights, loaded once for the program's rows
-        w = tl.load(w2_ptr + cols[:, None].to(tl.int64) * stride_w2 + ks[None, :],
-                    mask=cmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-    ts = tl.arange(0, BLOCK_T)
-    for i in tl.static_range(BLOCK_R):
-        row = tl.program_id(0) * BLOCK_R + i
-        if row < R:
-            if SCAN:
-                lptr = logits_ptr + row.to(tl.int64) * stride_lr + j * stride_lj + cols
-                lj = tl.load(lptr, mask=cmask, other=float("-inf")).to(tl.float32)
-            if FIRST:
-                prev = tl.load(anchors_ptr + row)
-            else:       # draft j-1's pick: the lowest index among its tiles' equal maxima
-                src = ((j - 1) % 2) * R * NT + row * NT + ts
-                pv = tl.load(pval_ptr + src, mask=ts < NT, other=float("-inf"))
-                pi = tl.load(pidx_ptr + src, mask=ts < NT, other=NO_INDEX)
-                prev = tl.min(tl.where(pv == tl.max(pv, axis=0), pi, NO_INDEX), axis=0)
-                if tile == 0:
-                    tl.store(ids_ptr + row * stride_ir + (j - 1), prev.to(tl.int64))
-            if SCAN:
-                if HAS_MARKOV:
-                    e = tl.load(w1_ptr + prev.to(tl.int64) * stride_w1 + ks, mask=kmask, other=0.0).to(tl.float32)
-                    # fp32 products of the weights' values, rounded to their dtype as the torch GEMM's output
-                    bias = tl.sum(w * e[None, :], axis=1)
-                    lj = lj + bias.to(w2_ptr.dtype.element_ty).to(tl.float32)
-                best, arg = tl.max(lj, axis=0, return_indices=True, return_indices_tie_break_left=True)
-                dst = (j % 2) * R * NT + row * NT + tile
-                tl.store(pval_ptr + dst, best)
-                tl.store(pidx_ptr + dst, arg + tile * BLOCK_V)
+    if FIRST:
+        prev = tl.load(anchors_ptr + rows, mask=rmask, other=0)
+    else:       # draft j-1's pick per row: the lowest index among its tiles' equal maxima
+        ts = tl.arange(0, BLOCK_T)
+        src = ((j - 1) % 2) * R * NT + rows[:, None] * NT + ts[None, :]
+        pmask = rmask[:, None] & (ts < NT)[None, :]
+        pv = tl.load(pval_ptr + src, mask=pmask, other=float("-inf"))
+        pi = tl.load(pidx_ptr + src, mask=pmask, other=NO_INDEX)
+        prev = tl.min(tl.where(pv == tl.max(pv, axis=1)[:, None], pi, NO_INDEX), axis=1)
+        if tile == 0:
+            tl.store(ids_ptr + rows * stride_ir + (j - 1), prev.to(tl.int64), mask=rmask)
+    if SCAN:
+        lptr = logits_ptr + rows[:, None].to(tl.int64) * stride_lr + j * stride_lj + cols[None, :]
+        lj = tl.load(lptr, mask=rmask[:, None] & cmask[None, :], other=float("-inf")).to(tl.float32)
+        if HAS_MARKOV:
+            # bias [rows, tile] = w1[prev] @ w2[tile]^T: float32 products of the weights' values summed
+            # over the rank, then rounded to their dtype as the torch GEMM's output is
+            e_rows = w1_ptr + tl.where(rmask, prev, 0).to(tl.int64) * stride_w1
+            w_rows = w2_ptr + cols.to(tl.int64) * stride_w2
+            bias = tl.zeros([BLOCK_R, BLOCK_V], tl.float32)
+            for k in range(rank):
+                e = tl.load(e_rows + k, mask=rmask, other=0.0).to(tl.float32)
+                w = tl.load(w_rows + k, mask=cmask, other=0.0).to(tl.float32)
+                bias += e[:, None] * w[None, :]
+            lj = lj + bias.to(w2_ptr.dtype.element_ty).to(tl.float32)
+        best, arg = tl.max(lj, axis=1, return_indices=True, return_indices_tie_break_left=True)
+        dst = (j % 2) * R * NT + rows * NT + tile
+        tl.store(pval_ptr + dst, best, mask=rmask)
+        tl.store(pidx_ptr + dst, arg + tile * BLOCK_V, mask=rmask)
 
 
 def markov_greedy_chain(logits: torch.Tensor, anchor_ids: torch.Tensor, w1: Optional[torch.Tensor],
@@ -97,9 +99,9 @@ def markov_greedy_chain(logits: torch.Tensor, anchor_ids: torch.Tensor, w1: Opti
     markov = w1 is not None
     rank = w1.shape[1] if markov else 0
     wa, wb = (w1, w2) if markov else (logits, logits)
-    block_r = min(MAX_BLOCK_R, triton.next_power_of_2(r))
-    common = dict(HAS_MARKOV=markov, RANK_P=max(2, triton.next_power_of_2(rank)), BLOCK_R=block_r,
-                  BLOCK_V=BLOCK_V, BLOCK_T=max(16, triton.next_power_of_2(nt)), num_warps=4)
+    block_r = min(MAX_BLOCK_R, max(2, triton.next_power_of_2(r)))
+    common = dict(HAS_MARKOV=markov, BLOCK_R=block_r, BLOCK_V=BLOCK_V, BLOCK_T=max(16, triton.next_power_of_2(nt)),
+                  num_warps=8 if block_r > 4 else 4)
     rb = triton.cdiv(r, block_r)
     anchors = anchor_ids.contiguous()
     for j in range(n + 1):

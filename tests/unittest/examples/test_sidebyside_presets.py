@@ -43,12 +43,27 @@ def test_presets_parse_and_validate(tiny_llama_dir, tmp_path):
         ex.arm_specs(["nospec"], "", "", "VANILLA", False, 1024, "[1, 2]")
 
 
+def test_variants_copy_a_preset_with_merged_args():
+    specs = ex.arm_specs(["nospec", "gqa"], "/g", "/m", "TRITON", True, 1024, None, None, None,
+                         ["gqa_s8=gqa:{batch_admit_min_slots: 8, speculative_config: {draft_len_schedule: {64: 4}}}",
+                          "nospec_s8=nospec:{batch_admit_min_slots: 8}"])
+    arms = [sidebyside.parse_arm(s) for s in specs]
+    assert [a.name for a in arms] == ["nospec", "gqa", "gqa_s8", "nospec_s8"]
+    assert arms[2].llm_args["batch_admit_min_slots"] == 8 and "batch_admit_min_slots" not in arms[1].llm_args
+    assert arms[2].llm_args["speculative_config"] == {"decoding_type": "DSpark", "speculative_model": "/g",
+                                                      "draft_len_schedule": {64: 4}}
+    assert arms[3].llm_args == {**arms[0].llm_args, "batch_admit_min_slots": 8}
+    for bad in ("gqa_s8=gqa", "x=hf:{a: 1}", "gqa=gqa:{a: 1}", "y=eagle:{a: 1}", "z=gqa:[1]"):
+        with pytest.raises(ValueError):
+            ex.arm_specs(["gqa"], "/g", "/m", "TRITON", True, 1024, None, None, None, [bad])
+
+
 def test_build_argv_defaults(tmp_path):
     a = ex.argparse.Namespace(arms="nospec,gqa", model="/model", gqa="/g", mla="/m",
                               prompts_file=str(tmp_path / "none.json"), dataset_cache_dir=None, concurrency=[1, 16],
                               rounds=3, max_tokens=256, waves=2, min_requests=16, backend="FLASHINFER", graphs=True,
                               kv_tokens=262144, extra_yaml=None, anchor=True, anchor_timeout_s=240, out=str(tmp_path),
-                              deadline_s=540, spec_backend=None, spec_extra_yaml=None)
+                              deadline_s=540, spec_backend=None, spec_extra_yaml=None, variant=[])
     argv = ex.build_argv(a)
     assert argv[argv.index("--concurrency") + 1:argv.index("--rounds")] == ["1", "16"]
     assert argv.count("--arm") == 2 and "--ratio-to" in argv and argv[argv.index("--ratio-to") + 1] == "nospec"

@@ -93,8 +93,8 @@ def test_ties_pick_the_lowest_index_across_tiles() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_argmax_rows_equals_torch(dtype: torch.dtype) -> None:
-    """The verify argmax (`SpecStepGraph` on CUDA): 19 rows (three programs of up to 8) over three
-    tiles, bf16 with its many equal values (the lowest index wins, as torch's); a strided view."""
+    """The verify argmax (`SpecStepGraph` on CUDA): 19 rows (two programs of up to 16) over three
+    X"""
     x = (torch.randn(19, 2 * BLOCK_V + 9, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
     assert torch.equal(argmax_rows(x), x.argmax(-1))
     assert torch.equal(argmax_rows(x[:, :BLOCK_V + 1]), x[:, :BLOCK_V + 1].argmax(-1))
