@@ -21,9 +21,10 @@ sized on the device from kv_lens[b]), writes its unnormalised output with its ru
 to a workspace, and a second kernel merges the splits. The split count depends on the launch
 shape only, so a captured graph keeps it.
 
-The page walk is software-pipelined (two stages: the next page's tile loads while this one is
-used) where two page tiles and the queries fit in `SMEM_BUDGET` of shared memory, which holds for
-GQA and for the 576-wide MLA latent up to 32-token pages (`_num_stages`).
+The page walk is software-pipelined (up to three stages: the next pages' tiles load while this one
+is used) as far as the tiles and the queries fit the GPU's shared memory; rows per program, warps
+and stages per launch shape come from `launch_config` (on an H200, 64-row blocks and three stages
+took a 9-token verify at batch 64 from 12.1 to 9.1 us and the MLA draft block from ~58 to 30 us).
 
 GQA cache [pages, 2, Hkv, P, D]: K = plane 0, V = plane 1, value width D.
 MLA cache [pages, 1, 1, P, R + r]: K = the whole latent (scores over the R latent dims plus the
@@ -31,6 +32,7 @@ r rope dims), V = its first R dims.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -150,13 +152,54 @@ def default_num_splits(programs: int, device: torch.device) -> int:
     return n
 
 
-SMEM_BUDGET = 160 * 1024   # bytes of shared memory the pipelined page tiles and q may take (H100 / H200: 227 KiB)
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How one launch shape runs: query rows per program, warps per program, pipeline stages of
+    the page walk (`launch_config`)."""
+
+    block_m: int
+    num_warps: int
+    num_stages: int
 
 
-def _num_stages(page_size: int, width: int, block_m: int, itemsize: int) -> int:
-    """2 (the next page's tile loads while this one is used) when two [page, width] tiles and the
-    [block_m, width] queries fit in SMEM_BUDGET, else 1 (a wide MLA latent on large pages)."""
-    return 2 if (2 * page_size + block_m) * width * itemsize <= SMEM_BUDGET else 1
+CPU_SMEM_BUDGET = 160 * 1024    # the interpreter has no shared memory; a fixed budget keeps configs deterministic
+
+
+def smem_budget(device: torch.device) -> int:
+    """Bytes of shared memory the page tiles and q may take: 85% of what one program may opt into
+    on this GPU (H100 / H200: 227 KiB -> 193 KiB), leaving room for the kernel's other buffers."""
+    if device.type != "cuda":
+        return CPU_SMEM_BUDGET
+    return int(0.85 * torch.cuda.get_device_properties(device).shared_memory_per_block_optin)
+
+
+def _num_stages(page_size: int, width: int, block_m: int, itemsize: int, budget: int) -> int:
+    """The most stages (3, 2, else 1) whose page tiles ([page, width] each) plus the [block_m,
+    width] queries fit in `budget` bytes: the next pages' tiles load while this one is used."""
+    for stages in (3, 2):
+        if (stages * page_size + block_m) * width * itemsize <= budget:
+            return stages
+    return 1
+
+
+def launch_config(programs_per_block_row: int, rows: int, page_size: int, width: int, itemsize: int, mla: bool,
+                  device: torch.device) -> LaunchConfig:
+    """The kernel's config for `rows` query rows per (request, KV head) and `programs_per_block_row`
+    = requests x KV heads. Up to 16 rows take one 16-row block. More rows take the largest block
+    of 64 / 32 / 16 whose programs still reach half the GPU's SMs (a 64-row block puts Hopper's
+    warpgroup MMA on the scores even when the rows are fewer, e.g. a 9-token verify's 27 rows of a
+    3-head group; a small batch takes smaller blocks for more programs). MLA (576-wide latent
+    tiles) runs 8 warps, GQA 4. Stages: `_num_stages` under `smem_budget` (measured on an H200:
+    `examples/gpu/attention_bench.py`)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    block_m = 16
+    if rows > 16:
+        for bm in (64, 32):
+            if programs_per_block_row * triton.cdiv(rows, bm) * 2 >= sms:
+                block_m = bm
+                break
+    return LaunchConfig(block_m, 8 if mla else 4,
+                        _num_stages(page_size, width, block_m, itemsize, smem_budget(device)))
 
 
 def shape_support(v_dim: int, rope_dim: int, page_size: int) -> str:
@@ -208,9 +251,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         raise ValueError("q and the KV cache need a contiguous last dimension")
     ragged = qo_indptr is not None
     qps, g = (max_q if ragged else t // b), hq // hkv
-    block_m = 16 if qps * g <= 16 else 32
+    cfg = launch_config(b * hkv, qps * g, page_size, dqk, q.element_size(), mla, q.device)
     out = torch.empty(t, hq, v_dim, dtype=q.dtype, device=q.device)
-    row_blocks = triton.cdiv(qps * g, block_m)
+    row_blocks = triton.cdiv(qps * g, cfg.block_m)
     splits = default_num_splits(b * hkv * row_blocks, q.device) if num_splits is None else num_splits
     if splits < 1 or splits > MAX_SPLITS or splits & (splits - 1):
         raise ValueError(f"num_splits must be a power of two in [1, {MAX_SPLITS}], got {splits}")
@@ -223,8 +266,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         q, q.stride(0), q.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         kv_cache.stride(3), block_tables, block_tables.stride(0), kv_lens, qo_indptr if ragged else kv_lens,
         out, out.stride(0), out.stride(1), float(scale), qps, ws_acc, ws_ml, t, hq, G=g, DV=v_dim, DR=dr,
-        K_PLANE=0, V_PLANE=0 if mla else 1, PAGE=page_size, BLOCK_M=block_m, CAUSAL=causal, RAGGED=ragged,
-        SPLIT=splits, num_warps=8 if mla else 4, num_stages=_num_stages(page_size, dqk, block_m, q.element_size()))
+        K_PLANE=0, V_PLANE=0 if mla else 1, PAGE=page_size, BLOCK_M=cfg.block_m, CAUSAL=causal, RAGGED=ragged,
+        SPLIT=splits, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
         _merge_splits_kernel[(t, hq)](ws_acc, ws_ml, out, out.stride(0), out.stride(1), t, hq, DV=v_dim,
                                       SPLIT=splits, num_warps=4)

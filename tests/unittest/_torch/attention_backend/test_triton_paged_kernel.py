@@ -116,14 +116,30 @@ def test_split_count_is_checked_and_sized_by_the_grid():
         assert 1 < few <= MAX_SPLITS and 3 * few * 2 > sms or few == MAX_SPLITS
 
 
-def test_page_walk_is_pipelined_where_two_tiles_fit():
-    """Two stages for GQA heads and for the 576-wide bf16 MLA latent on pages of up to 32 tokens;
-    one where two tiles of a wider page would not fit the shared-memory budget."""
-    from tensorrt_llm._torch.attention_backend.triton_paged_kernel import SMEM_BUDGET, _num_stages
-    assert _num_stages(32, 64, 32, 2) == _num_stages(128, 64, 32, 2) == 2           # GQA heads
-    assert _num_stages(16, 576, 32, 2) == _num_stages(32, 576, 32, 2) == 2         # MLA latent, engine pages
-    assert _num_stages(64, 576, 32, 2) == _num_stages(32, 576, 32, 4) == 1         # wider tiles: one stage
-    assert (2 * 32 + 32) * 576 * 2 <= SMEM_BUDGET < (2 * 64 + 32) * 576 * 2
+def test_page_walk_stages_fit_the_shared_memory_budget():
+    """Three stages for GQA heads and, within an H200's budget, for the 576-wide bf16 MLA latent on
+    32-token pages; fewer where the tiles would not fit."""
+    from tensorrt_llm._torch.attention_backend.triton_paged_kernel import _num_stages
+    h200 = int(0.85 * 232448)
+    assert _num_stages(32, 64, 64, 2, h200) == _num_stages(128, 64, 64, 2, h200) == 3     # GQA heads
+    assert _num_stages(32, 576, 64, 2, h200) == 3                                        # MLA latent, 64 rows
+    assert _num_stages(64, 576, 16, 2, h200) == 2 and _num_stages(64, 576, 64, 2, h200) == 1
+    assert _num_stages(32, 576, 64, 2, 100 * 1024) == 1                                  # a smaller GPU
+
+
+def test_launch_config_by_rows_and_grid():
+    """16-row blocks for up to 16 rows (decode, GQA draft blocks); more rows take 64-row blocks
+    while the programs still reach half the SMs, smaller blocks for a small batch."""
+    from tensorrt_llm._torch.attention_backend import triton_paged_kernel as k
+    cpu = torch.device("cpu")
+    assert k.launch_config(192, 3, 32, 64, 2, False, cpu).block_m == 16
+    assert k.launch_config(1, 27, 32, 64, 2, False, cpu) == k.LaunchConfig(64, 4, 3)
+    assert k.launch_config(64, 128, 32, 576, 2, True, cpu).num_warps == 8
+    if DEV.type == "cuda":
+        sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+        assert k.launch_config(sms, 27, 32, 64, 2, False, DEV).block_m == 64          # a full batch
+        assert k.launch_config(1, 27, 32, 64, 2, False, DEV).block_m == 16            # one request
+        assert k.launch_config((sms - 1) // 4, 128, 32, 576, 2, True, DEV).block_m == 32
 
 
 def test_paged_attention_rejects_bad_shapes():
