@@ -186,20 +186,22 @@ def launch_config(programs_per_block_row: int, rows: int, page_size: int, width:
                   device: torch.device) -> LaunchConfig:
     """The kernel's config for `rows` query rows per (request, KV head) and `programs_per_block_row`
     = requests x KV heads. Up to 16 rows take one 16-row block. More rows take the largest block
-    of 64 / 32 / 16 whose programs still reach half the GPU's SMs (a 64-row block puts Hopper's
+    of 64 / 32 / 16 whose programs still reach half the GPU's SMs and whose queries fit the shared
+    memory budget beside one page tile (a 64-row block puts Hopper's
     warpgroup MMA on the scores even when the rows are fewer, e.g. a 9-token verify's 27 rows of a
     3-head group; a small batch takes smaller blocks for more programs). MLA (576-wide latent
     tiles) runs 8 warps, GQA 4. Stages: `_num_stages` under `smem_budget` (measured on an H200:
     `examples/gpu/attention_bench.py`)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    budget = smem_budget(device)
     block_m = 16
     if rows > 16:
-        for bm in (64, 32):
-            if programs_per_block_row * triton.cdiv(rows, bm) * 2 >= sms:
+        for bm in (64, 32):   # (a block whose queries and one page tile overflow the budget is not taken)
+            if programs_per_block_row * triton.cdiv(rows, bm) * 2 >= sms and \
+                    (page_size + bm) * width * itemsize <= budget:
                 block_m = bm
                 break
-    return LaunchConfig(block_m, 8 if mla else 4,
-                        _num_stages(page_size, width, block_m, itemsize, smem_budget(device)))
+    return LaunchConfig(block_m, 8 if mla else 4, _num_stages(page_size, width, block_m, itemsize, budget))
 
 
 def shape_support(v_dim: int, rope_dim: int, page_size: int) -> str:
