@@ -39,7 +39,7 @@ def _context_kv_kernel(kv_ptr, stride_kvt, norm_ptr, eps, pos_ptr, cos_ptr, sin_
         sin = tl.load(sin_ptr + p * stride_tab + d)
         h = tl.arange(0, HKV_P)
         ok = h[:, None] < HKV
-        row = kv_ptr + t * stride_kvt + layer * (2 * HKV * D)
+        row = kv_ptr + t.to(tl.int64) * stride_kvt + layer * (2 * HKV * D)
         x = tl.load(row + h[:, None] * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
         xs = tl.load(row + h[:, None] * D + dsw[None, :], mask=ok, other=0.0).to(tl.float32)
         r = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
@@ -50,7 +50,9 @@ def _context_kv_kernel(kv_ptr, stride_kvt, norm_ptr, eps, pos_ptr, cos_ptr, sin_
         xsn = (xs * r[:, None] * ws[None, :]).to(kt).to(tl.float32)
         k = (xn * cos[None, :] + xsn * sin[None, :]).to(kt)
         dt = pool_ptr.dtype.element_ty
-        cell = (pool_ptr + layer * stride_pl + (slot // PAGE) * stride_pp + h[:, None] * (PAGE * D)
+        # int64 offsets: the stacked pool of the engine's layers passes 2**31 elements (e.g. 5 layers x
+        # 8,192 pages x 2 x 16 heads x 32 x 64), where an int32 layer * stride_pl wraps
+        cell = (pool_ptr + layer.to(tl.int64) * stride_pl + (slot // PAGE) * stride_pp + h[:, None] * (PAGE * D)
                 + (slot % PAGE) * D + d[None, :])
         tl.store(cell, k.to(dt), mask=ok)
         v = tl.load(row + HKV * D + h[:, None] * D + d[None, :], mask=ok, other=0.0)

@@ -168,3 +168,31 @@ def test_triton_context_write_on_gpu():
     bad = torch.zeros_like(out)
     write_gqa_context(torch.nn.functional.linear(feats, w), wrong, 1e-5, pos, cos_t, sin_t, bad, slots)
     assert (bad[2].float() - ref[2].float()).abs().max() > 0.1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_context_write_past_2_31_pool_elements():
+    """The engine's stacked draft pool (5 layers x 8,192 pages x 2 x 16 heads x 32 x 64: 5.4e9
+    elements) written in its last layer's last page: offsets are int64 (an int32 layer * layer
+    stride wraps past 2**31 and writes outside the pool)."""
+    from tensorrt_llm._torch.models.dspark_context_kernel import write_gqa_context
+    from tensorrt_llm._torch.models.dspark_regions import gqa_context_kv
+    from tensorrt_llm._torch.modules.rotary_embedding import RotaryEmbedding
+    dev, dt, layers, hkv, d_, page, pages, t = torch.device("cuda"), torch.bfloat16, 5, 16, 64, 32, 8192, 8
+    pool = torch.zeros(layers, pages, 2, hkv, page, d_, dtype=dt, device=dev)
+    assert pool.numel() > 2 ** 32
+    g = torch.Generator().manual_seed(4)
+    feats = torch.randn(t, 576, generator=g).to(dev, dt)
+    w = (torch.randn(layers * 2 * hkv * d_, 576, generator=g) * 576 ** -0.5).to(dev, dt)
+    nw = torch.ones(layers, d_, dtype=dt, device=dev)
+    pos = torch.arange(t, device=dev) + 100
+    slots = (pages - 1) * page + torch.arange(t, device=dev)
+    cos_t, sin_t = RotaryEmbedding(d_, 10000.0, 4096).tables(dev)
+    vals = gqa_context_kv(feats, w, None, nw, 1e-5, pos, cos_t, sin_t, False, hkv, d_).view(t, layers, 2, hkv, d_)
+    write_gqa_context(torch.nn.functional.linear(feats, w), nw, 1e-5, pos, cos_t, sin_t, pool, slots)
+    torch.cuda.synchronize()
+    got = pool[:, pages - 1, :, :, :t].permute(3, 0, 1, 2, 4)          # [t, layers, 2, hkv, d]
+    torch.testing.assert_close(got.float(), vals.float(), rtol=2 ** -6, atol=2 ** -6)
+    assert torch.count_nonzero(pool[:, :pages - 1]).item() == 0   # nothing landed outside the last page
+    assert (got[:, 4].float() - vals[:, 3].float()).abs().max() > 0.1          # control: layers differ
