@@ -7,16 +7,21 @@ Shapes (SmolLM2-135M target, the shipped drafters, page 32, context ~ the MT-Ben
   GQA draft block : B x 8 queries, 16 / 16 heads x 64, non-causal
   MLA draft block : B x 8 queries, 16 heads over one 576-wide latent (512 value), non-causal
 TRITON runs with its default KV split (sized by the grid, "triton") and with each count of --splits
-("triton_s1", "triton_s2", ...); FLASHINFER with --flashinfer. Per shape, batch and context: CUDA-event time of a CUDA graph of 20 calls (so launch cost is
-excluded), median of 5 replays; FLASHINFER's plan is made once outside the timing, and its host
-plan time per call is reported separately. Prints a table; --json writes it.
+("triton_s1", "triton_s2", ...); FLASHINFER with --flashinfer. --configs also times the attention
+kernel alone (no K/V append) under every LaunchConfig (rows per program 16 / 32 / 64, 4 / 8 warps,
+1-3 stages) against `launch_config`'s choice (the "configs" rows). Per shape, batch and context:
+CUDA-event time of a CUDA graph of 20 calls (so launch cost is excluded), median of 5 replays;
+FLASHINFER's plan is made once outside the timing, and its host plan time per call is reported
+separately. Prints a table; --json writes it.
 
     . examples/gpu/device_setup.sh && python3 examples/gpu/attention_bench.py --batch 1 16 64 --ctx 256 512 \
         --splits 1 2 4 8 16 --json $OUT/attn.json
+    python3 examples/gpu/attention_bench.py --batch 16 64 --ctx 256 512 --splits --configs --json $OUT/cfg.json
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -26,6 +31,7 @@ import torch
 from tensorrt_llm._torch.attention_backend.flashinfer_backend import FlashInferAttention
 from tensorrt_llm._torch.attention_backend.interface import AttentionMetadata
 from tensorrt_llm._torch.attention_backend.triton_backend import TritonAttention
+from tensorrt_llm._torch.attention_backend.triton_paged_kernel import LaunchConfig, launch_config, paged_attention
 from tensorrt_llm._torch.modules.fp8_block import FP8BlockLinear, FP8BlockQuantConfig
 
 P = 32
@@ -93,6 +99,33 @@ def _case(name: str, batch: int, ctx: int, dev: torch.device, splits: list[int],
     return out
 
 
+def _config_sweep(name: str, batch: int, ctx: int, dev: torch.device) -> dict:
+    """us per call of the attention kernel alone (one KV split) under every LaunchConfig, and
+    `launch_config`'s choice; a config whose output differs from the default's is marked."""
+    qps, hq, hkv, d, mla, causal = SHAPES[name]
+    pages_per = -(-(ctx + qps) // P)
+    planes, heads = (1, 1) if mla else (2, hkv)
+    cache = torch.randn(batch * pages_per + 1, planes, heads, P, d, device=dev, dtype=torch.bfloat16)
+    table = torch.arange(batch * pages_per, device=dev, dtype=torch.int32).view(batch, pages_per)
+    lens = torch.full((batch,), ctx + qps, dtype=torch.int32, device=dev)
+    q = torch.randn(batch * qps, hq, d, device=dev, dtype=torch.bfloat16)
+    v_dim = 512 if mla else d
+    default = launch_config(batch * heads, qps * (hq // hkv), P, d, 2, mla, dev)
+    ref = paged_attention(q, cache, table, lens, 0.1, causal, v_dim, mla, num_splits=1)
+    timed = {}
+    for bm, warps, stages in itertools.product((16, 32, 64), (4, 8), (1, 2, 3)):
+        cfg = LaunchConfig(bm, warps, stages)
+        fn = lambda c=cfg: paged_attention(q, cache, table, lens, 0.1, causal, v_dim, mla,  # noqa: E731
+                                           num_splits=1, config=c)
+        try:
+            ok = (fn().float() - ref.float()).abs().max().item() < 0.05
+            timed[f"bm{bm}_w{warps}_s{stages}"] = {"us_per_call": round(_graph_us(fn), 2), "matches": ok}
+        except Exception as e:       # a config this GPU cannot run (shared memory): recorded as such
+            timed[f"bm{bm}_w{warps}_s{stages}"] = {"error": f"{type(e).__name__}: {str(e)[:80]}"}
+    key = f"bm{default.block_m}_w{default.num_warps}_s{default.num_stages}"
+    return {"default": key, "configs": timed}
+
+
 def _linear_case(n: int, k: int, tokens: int, dev: torch.device) -> dict:
     lin = torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
     fp8 = FP8BlockLinear.from_linear(lin, FP8BlockQuantConfig())
@@ -107,6 +140,7 @@ def main() -> None:
     ap.add_argument("--splits", type=int, nargs="*", default=[1], help="fixed KV split counts to time")
     ap.add_argument("--flashinfer", action="store_true", help="also time FLASHINFER (JIT-compiles on a fresh machine)")
     ap.add_argument("--linear", action="store_true", help="also time the FP8 block linear against bf16")
+    ap.add_argument("--configs", action="store_true", help="also sweep the kernel's LaunchConfig (module doc)")
     ap.add_argument("--json")
     a = ap.parse_args()
     dev = torch.device("cuda")
@@ -119,12 +153,18 @@ def main() -> None:
                 arms = "  ".join(f"{k.removeprefix('triton_')} {v['us_per_call']:6.2f}" for k, v in r.items()
                                  if isinstance(v, dict))
                 print(f"{name:16s} B={b:3d} ctx={ctx:4d}  us per call: {arms}", flush=True)
+                if a.configs:
+                    sw = _config_sweep(name, b, ctx, dev)
+                    rows.append({"shape": name, "batch": b, "ctx": ctx, "sweep": sw})
+                    ok = sorted((v["us_per_call"], k) for k, v in sw["configs"].items() if v.get("matches"))
+                    print(f"    configs: default {sw['default']} {sw['configs'][sw['default']].get('us_per_call')} us;"
+                          f" fastest " + ", ".join(f"{k} {us:.1f}" for us, k in ok[:4]), flush=True)
     for n, k in ((576, 576), (384 * 2, 576), (576, 2880)) if a.linear else ():   # q/o, gate+up, fc (5 x 576 -> 576)
         for t in (8, 512):
             r = {"linear": f"{n}x{k}", "tokens": t, **_linear_case(n, k, t, dev)}
             rows.append(r)
-            print(f"linear {n}x{k} T={t:4d}  bf16 {r['bf16_us']:7.2f} us   fp8 reference {r['fp8_reference_us']:7.2f} us",
-                  flush=True)
+            print(f"linear {n}x{k} T={t:4d}  bf16 {r['bf16_us']:7.2f} us   "
+                  f"fp8 reference {r['fp8_reference_us']:7.2f} us", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"rows": rows, "gpu": torch.cuda.get_device_name()}, f, indent=1)

@@ -217,11 +217,13 @@ def shape_support(v_dim: int, rope_dim: int, page_size: int) -> str:
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor,
                     scale: float, causal: bool, v_dim: int, mla: bool, qo_indptr: Optional[torch.Tensor] = None,
-                    max_q: int = 0, num_splits: Optional[int] = None) -> torch.Tensor:
+                    max_q: int = 0, num_splits: Optional[int] = None,
+                    config: Optional[LaunchConfig] = None) -> torch.Tensor:
     """q [T, Hq, Dqk] (packed request-major; any token and head strides, a contiguous last dim: a
     view of a layer's q|k|v buffer is read in place) over the pages of kv_cache (module doc) ->
     [T, Hq, v_dim] in q's dtype. num_splits: KV splits per program (a power of two <= MAX_SPLITS;
-    default `default_num_splits`).
+    default `default_num_splits`); config: rows per program, warps and stages (default
+    `launch_config`; block_m a power of two >= 16).
 
     Uniform (qo_indptr None): T = B * q_per_seq. Ragged: qo_indptr [B+1] int32 on q's device and
     max_q >= the most rows any request has. block_tables [B, max_pages] int32 and kv_lens [B]
@@ -253,7 +255,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         raise ValueError("q and the KV cache need a contiguous last dimension")
     ragged = qo_indptr is not None
     qps, g = (max_q if ragged else t // b), hq // hkv
-    cfg = launch_config(b * hkv, qps * g, page_size, dqk, q.element_size(), mla, q.device)
+    cfg = config or launch_config(b * hkv, qps * g, page_size, dqk, q.element_size(), mla, q.device)
+    if cfg.block_m < 16 or cfg.block_m & (cfg.block_m - 1) or cfg.num_warps < 1 or cfg.num_stages < 1:
+        raise ValueError(f"config needs a power-of-two block_m >= 16 and positive warps and stages, got {cfg}")
     out = torch.empty(t, hq, v_dim, dtype=q.dtype, device=q.device)
     row_blocks = triton.cdiv(qps * g, cfg.block_m)
     splits = default_num_splits(b * hkv * row_blocks, q.device) if num_splits is None else num_splits

@@ -143,6 +143,28 @@ def test_launch_config_by_rows_and_grid():
         assert k.launch_config((sms - 1) // 4, 128, 32, 576, 2, True, DEV).block_m == 32
 
 
+@pytest.mark.parametrize("mla", [False, True], ids=["gqa", "mla"])
+def test_every_query_block_matches_the_reference(mla):
+    """block_m 16 / 32 / 64 (a 5-row verify of a 3-head group: 15 rows; MLA: 4 heads x 5 rows),
+    any warps and stages: the same attention; control: a request's table row swapped."""
+    from tensorrt_llm._torch.attention_backend.triton_paged_kernel import LaunchConfig
+    lens, qps = [40, 7, 66], 5
+    q, cache, table = _case(mla, qps, lens, seed=3)
+    v_dim = 32 if mla else cache.shape[-1]
+    kv_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    want = _reference(q, cache, table, lens, qps, True, v_dim, mla)
+    for cfg in (LaunchConfig(16, 4, 1), LaunchConfig(32, 8, 2), LaunchConfig(64, 4, 3)):
+        got = paged_attention(q, cache, table, kv_lens, 0.3, True, v_dim, mla, config=cfg)
+        assert rel(got, want) < TOL, cfg
+    swapped = table.clone()
+    swapped[0] = table[2]
+    bad = paged_attention(q, cache, swapped, kv_lens, 0.3, True, v_dim, mla, config=LaunchConfig(64, 4, 3))
+    assert rel(bad[:qps], want[:qps]) > NEG_MIN
+    for cfg in (LaunchConfig(8, 4, 1), LaunchConfig(48, 4, 1), LaunchConfig(16, 0, 1)):
+        with pytest.raises(ValueError, match="config needs"):
+            paged_attention(q, cache, table, kv_lens, 0.3, True, v_dim, mla, config=cfg)
+
+
 def test_paged_attention_rejects_bad_shapes():
     q, cache, table = _case(False, 4, [20, 20])
     lens = torch.tensor([20, 20], dtype=torch.int32, device=DEV)
