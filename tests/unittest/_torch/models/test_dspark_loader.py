@@ -134,30 +134,20 @@ def test_retired_confidence_head_key(target, tmp_path):
         load(tmp_path)
 
 
-def test_reject_hidden_size_mismatch(target, tmp_path):
+@pytest.mark.parametrize("edit,tcfg,message", [
+    (None, dict(hidden=96), "drafter hidden_size 64 does not match the target's hidden_size 96"),
+    (lambda c: c["dspark_config"].update(num_target_hidden=32), {},
+     "num_target_hidden 32 does not match the target's hidden_size 64"),
+    (None, dict(vocab=256), "drafter vocab_size 128 does not match the target's vocab_size 256"),
+    (lambda c: c.update(architectures=["EagleForCausalLM"]), {},
+     r"config.json: unknown drafter architectures \['EagleForCausalLM'\]"),
+], ids=["hidden-size", "num-target-hidden", "vocab", "architecture"])
+def test_reject_mismatched_config(edit, tcfg, message, target, tmp_path):
     save("gqa", target, tmp_path)
-    with pytest.raises(ValueError, match="drafter hidden_size 64 does not match the target's hidden_size 96"):
-        load(tmp_path, target_config(hidden=96))
-
-
-def test_reject_num_target_hidden_mismatch(target, tmp_path):
-    save("gqa", target, tmp_path)
-    edit_config(tmp_path, lambda c: c["dspark_config"].update(num_target_hidden=32))
-    with pytest.raises(ValueError, match="num_target_hidden 32 does not match the target's hidden_size 64"):
-        load(tmp_path)
-
-
-def test_reject_vocab_mismatch(target, tmp_path):
-    save("gqa", target, tmp_path)
-    with pytest.raises(ValueError, match="drafter vocab_size 128 does not match the target's vocab_size 256"):
-        load(tmp_path, target_config(vocab=256))
-
-
-def test_reject_unknown_architecture(target, tmp_path):
-    save("gqa", target, tmp_path)
-    edit_config(tmp_path, lambda c: c.update(architectures=["EagleForCausalLM"]))
-    with pytest.raises(ValueError, match=r"config.json: unknown drafter architectures \['EagleForCausalLM'\]"):
-        load(tmp_path)
+    if edit is not None:
+        edit_config(tmp_path, edit)
+    with pytest.raises(ValueError, match=message):
+        load(tmp_path, target_config(**tcfg))
 
 
 def test_reject_missing_dspark_config_key(target, tmp_path):
