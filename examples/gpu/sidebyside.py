@@ -17,7 +17,7 @@ it exports PYTHONPATH / FLASHINFER_WORKSPACE_BASE and puts the model, drafters a
   args for all engine arms: --extra-yaml 'batch_wait_timeout_iters: 8'; DSpark arms on the TRITON target
   (overlapped DSpark steps) next to a FLASHINFER no-spec: --spec-backend TRITON; a batch-aware verify
   width: --spec-extra-yaml '{draft_len_schedule: {4: 8, 16: 4, 64: 2}}'; an extra arm next to the presets:
-  --variant 'gqa_slots8=gqa:{batch_admit_min_slots: 8}'.
+  --variant 'gqa_w8=gqa:{batch_wait_timeout_iters: 8}'.
 Rough time of (2) on one H200 at the 2026-12-01 speeds: ~60 s per round of the four arms, plus building
 the three engines and compiling HF (~1-2 min with warm caches); --deadline-s (default 540) starts no
 round that would end past it, and the JSON / markdown are rewritten after every round. With --anchor in
@@ -86,15 +86,17 @@ def arm_specs(arms: Sequence[str], gqa: str, mla: str, backend: str, graphs: boo
         return f"{name}=" + yaml.safe_dump(args, default_flow_style=True).strip()
 
     out = ["hf=hf" if a == "hf" else dump(a, preset(a)) for a in arms]
+    names = set(arms)
     for v in variants:
         name, sep, rest = v.partition("=")
         base, sep2, text = rest.partition(":")
-        if not (sep and sep2 and name) or base == "hf" or name in arms:
+        if not (sep and sep2 and name) or base == "hf" or name in names:
             raise ValueError(f"variant {v!r} must be NAME=ARM:YAML with a new NAME and an engine ARM")
         args, extra = preset(base), yaml_mapping(text, f"variant {name}")
         if "speculative_config" in extra and "speculative_config" in args:
             extra["speculative_config"] = {**args["speculative_config"], **extra["speculative_config"]}
         out.append(dump(name, {**args, **extra}))
+        names.add(name)
     return out
 
 
@@ -144,7 +146,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--extra-yaml", default=None, help="YAML mapping merged into every engine arm's args")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=ARM:YAML",
                     help="an extra engine arm: preset ARM with the YAML mapping merged into its args, e.g. "
-                    "'gqa_slots8=gqa:{batch_admit_min_slots: 8}' (repeatable)")
+                    "'gqa_w8=gqa:{batch_wait_timeout_iters: 8}' (repeatable)")
     ap.add_argument("--anchor", action="store_true", help="also run compiled_step_anchor.py once, after the rounds")
     ap.add_argument("--anchor-timeout-s", type=float, default=240, help="the anchor's limit, kept free of rounds")
     ap.add_argument("--deadline-s", type=float, default=540, help="see tensorrt_llm/bench/sidebyside.py")

@@ -187,11 +187,10 @@ def launch_config(programs_per_block_row: int, rows: int, page_size: int, width:
     """The kernel's config for `rows` query rows per (request, KV head) and `programs_per_block_row`
     = requests x KV heads. Up to 16 rows take one 16-row block. More rows take the largest block
     of 64 / 32 / 16 whose programs still reach half the GPU's SMs and whose queries fit the shared
-    memory budget beside one page tile (a 64-row block puts Hopper's
-    warpgroup MMA on the scores even when the rows are fewer, e.g. a 9-token verify's 27 rows of a
-    3-head group; a small batch takes smaller blocks for more programs). MLA (576-wide latent
-    tiles) runs 8 warps, GQA 4. Stages: `_num_stages` under `smem_budget` (measured on an H200:
-    `examples/gpu/attention_bench.py`)."""
+    memory budget beside one page tile: on an H200 a 64-row block was the fastest even where the
+    rows are fewer (a 9-token verify's 27 rows of a 3-head group), a small batch wants smaller
+    blocks for more programs. MLA (576-wide latent tiles) runs 8 warps, GQA 4. Stages:
+    `_num_stages` under `smem_budget` (`examples/gpu/attention_bench.py --configs`)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     budget = smem_budget(device)
     block_m = 16

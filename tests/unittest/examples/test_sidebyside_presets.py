@@ -56,6 +56,8 @@ def test_variants_copy_a_preset_with_merged_args():
     for bad in ("gqa_s8=gqa", "x=hf:{a: 1}", "gqa=gqa:{a: 1}", "y=eagle:{a: 1}", "z=gqa:[1]"):
         with pytest.raises(ValueError):
             ex.arm_specs(["gqa"], "/g", "/m", "TRITON", True, 1024, None, None, None, [bad])
+    with pytest.raises(ValueError, match="new NAME"):       # a name taken by an earlier variant
+        ex.arm_specs(["gqa"], "/g", "/m", "TRITON", True, 1024, None, None, None, ["v=gqa:{a: 1}", "v=gqa:{a: 2}"])
 
 
 def test_build_argv_defaults(tmp_path):
