@@ -3,8 +3,8 @@
 absorbed MLA, over shuffled pages and uneven lengths. Negative controls: a length off by one
 page and another request's table row land far outside the tolerance; bad shapes raise.
 
-Runs on the GPU (bf16) and, without one, in Triton's interpreter on the CPU (float32); skipped
-where triton is not installed.
+Runs on the GPU (bf16; marked `gpu` there) and, without one, in Triton's interpreter on the CPU
+(float32); skipped where triton is not installed.
 """
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ from tensorrt_llm._torch.attention_backend.triton_paged_kernel import paged_atte
 from tensorrt_llm._torch.attention_backend.vanilla import paged_sdpa  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# on a GPU every test here is a GPU test (the device procedure selects `-m gpu`); on a CPU they run
+# in Triton's interpreter
+pytestmark = [pytest.mark.gpu] if DEV.type == "cuda" else []
 DTYPE = torch.bfloat16 if DEV.type == "cuda" else torch.float32
 TOL = 2e-2 if DTYPE == torch.bfloat16 else 1e-4
 NEG_MIN = 0.1
