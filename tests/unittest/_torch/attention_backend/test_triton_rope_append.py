@@ -97,17 +97,25 @@ def _refused_keep_their_bytes(cache, before, slots):
             assert torch.equal(cache[s // P, :, :, s % P], before[s // P, :, :, s % P])
 
 
+def _launch_matches(fn, args, want, slots, dtype, ulps=1) -> torch.Tensor:
+    """Run fn(**args) once: its q and the cache equal `want` (q, cache, refused count), two slots are
+    refused and keep their bytes. Returns the cache as it was before the launch."""
+    want_q, want_cache, want_refused = want
+    before = args["kv_cache"].clone()
+    out = fn(**args)
+    _close(out, want_q, dtype, ulps=ulps)
+    _close(args["kv_cache"], want_cache, dtype, ulps=ulps)
+    assert int(args["refused"]) == int(want_refused) == 2
+    _refused_keep_their_bytes(args["kv_cache"], before, slots)
+    return before
+
+
 @pytest.mark.parametrize("ragged", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotates_q_and_appends_owned_slots(ragged, dtype):
     args, rot, slots = _case(dtype, ragged)
-    want_q, want_cache, want_refused = _expected(args, rot)
-    before = args["kv_cache"].clone()
-    out = rope_append(**args)
-    _close(out, want_q, dtype)
-    _close(args["kv_cache"], want_cache, dtype)
-    assert int(args["refused"]) == int(want_refused) == sum(s >= 0 and not ok for s, ok in slots) == 2
-    _refused_keep_their_bytes(args["kv_cache"], before, slots)
+    _launch_matches(rope_append, args, _expected(args, rot), slots, dtype)
+    assert sum(s >= 0 and not ok for s, ok in slots) == 2
     # a second call accumulates into the counter (never zeroed)
     rope_append(**args)
     assert int(args["refused"]) == 4
@@ -228,13 +236,9 @@ def _mla_expected(a, rot, norm=True):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mla_form_builds_q_and_appends_the_latent(ragged, dtype):
     a, rot, slots = _mla_case(dtype, ragged)
-    want_q, want_cache, want_refused = _mla_expected(a, rot)
-    before = a["kv_cache"].clone()
-    out = mla_rope_append(**a)
-    _close(out, want_q, dtype, ulps=4)
-    _close(a["kv_cache"], want_cache, dtype, ulps=4)
-    assert int(a["refused"]) == int(want_refused) == 2
-    _refused_keep_their_bytes(a["kv_cache"], before, slots)
+    want = _mla_expected(a, rot)
+    want_q, want_cache, _ = want
+    before = _launch_matches(mla_rope_append, a, want, slots, dtype, ulps=4)
     # controls: other positions' tables move q; the un-normed latent is far from the written one
     shifted = dict(a, cos=torch.roll(a["cos"], 1, 0), sin=torch.roll(a["sin"], 1, 0), kv_cache=before.clone())
     assert (mla_rope_append(**shifted).float() - want_q.float()).abs().max() > 0.1
