@@ -158,6 +158,24 @@ def _heads_contiguous(name: str, x: torch.Tensor, heads: int, dim: int) -> None:
         raise ValueError(f"{name} must have contiguous heads and dims (strides [*, {dim}, 1]), got {x.stride()}")
 
 
+def _check_rope_tables(cos: torch.Tensor, sin: torch.Tensor, t_n: int, dim: int) -> None:
+    for name, x in (("cos", cos), ("sin", sin)):
+        if x.dtype != torch.float32 or x.shape != (t_n, 1, dim) or x.stride(2) != 1:
+            raise ValueError(f"{name} must be [{t_n}, 1, {dim}] float32 with contiguous dims, got "
+                             f"{tuple(x.shape)} {x.dtype}")
+
+
+def _check_token_split(qo_indptr: Optional[torch.Tensor], tokens_per_seq: int, b_n: int, t_n: int) -> None:
+    if qo_indptr is None and (tokens_per_seq < 1 or tokens_per_seq * b_n != t_n):
+        raise ValueError(f"tokens_per_seq {tokens_per_seq} does not split {t_n} tokens over {b_n} requests")
+
+
+def _owner_blocks(width: int, b_n: int) -> dict[str, int]:
+    """The ownership check's tile sizes (`_owns`): block-table width and request offsets."""
+    return dict(BLOCK_W=min(triton.next_power_of_2(max(width, 1)), 256),
+                BLOCK_B=min(triton.next_power_of_2(b_n + 1), 256))
+
+
 def rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                 qo_indptr: Optional[torch.Tensor], tokens_per_seq: int, refused: torch.Tensor,
@@ -181,10 +199,7 @@ def rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
     for name, x in (("k", k), ("v", v)):
         if x.shape[0] != t_n:
             raise ValueError(f"{name} holds {x.shape[0]} tokens, q {t_n}")
-    for name, x in (("cos", cos), ("sin", sin)):
-        if x.dtype != torch.float32 or x.shape != (t_n, 1, dim) or x.stride(2) != 1:
-            raise ValueError(f"{name} must be [{t_n}, 1, {dim}] float32 with contiguous dims, got "
-                             f"{tuple(x.shape)} {x.dtype}")
+    _check_rope_tables(cos, sin, t_n, dim)
     if head_norms is not None:
         if not head_norms.eps > 0:
             raise ValueError(f"head_norms.eps must be > 0, got {head_norms.eps}")
@@ -193,8 +208,7 @@ def rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
                 raise ValueError(f"head_norms.{name} must be [{dim}] contiguous {q.dtype} on {q.device}, got "
                                  f"{tuple(w.shape)} {w.dtype} on {w.device}")
     b_n = block_tables.shape[0]
-    if qo_indptr is None and (tokens_per_seq < 1 or tokens_per_seq * b_n != t_n):
-        raise ValueError(f"tokens_per_seq {tokens_per_seq} does not split {t_n} tokens over {b_n} requests")
+    _check_token_split(qo_indptr, tokens_per_seq, b_n, t_n)
     # the append's own checks (slots, tables, query offsets, counter, devices, layouts: the C++ op's words)
     check_paged_kv_append(k, kv_cache, slot_mapping, block_tables, qo_indptr, tokens_per_seq, 0, refused)
     out = torch.empty(t_n, hq, dim, dtype=q.dtype, device=q.device)
@@ -208,8 +222,7 @@ def rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
         q if head_norms is None else head_norms.q_weight, q if head_norms is None else head_norms.k_weight,
         1.0 if head_norms is None else float(head_norms.eps), NORM=head_norms is not None, HQ=hq, HKV=hkv,
         HQ_P=triton.next_power_of_2(hq), HKV_P=triton.next_power_of_2(hkv), D=dim,
-        PAGE=page_size, RAGGED=qo_indptr is not None, BLOCK_W=min(triton.next_power_of_2(max(w, 1)), 256),
-        BLOCK_B=min(triton.next_power_of_2(b_n + 1), 256), num_warps=2)
+        PAGE=page_size, RAGGED=qo_indptr is not None, **_owner_blocks(w, b_n), num_warps=2)
     return out
 
 
@@ -242,10 +255,7 @@ def mla_rope_append(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, c
     for name, n in (("kv_lora_rank", rank), ("rope dim", rope_dim), ("page size", page_size)):
         if n < 2 or n & (n - 1):
             raise ValueError(f"{name} {n} must be a power of two >= 2")
-    for name, x in (("cos", cos), ("sin", sin)):
-        if x.dtype != torch.float32 or x.shape != (t_n, 1, rope_dim) or x.stride(2) != 1:
-            raise ValueError(f"{name} must be [{t_n}, 1, {rope_dim}] float32 with contiguous dims, got "
-                             f"{tuple(x.shape)} {x.dtype}")
+    _check_rope_tables(cos, sin, t_n, rope_dim)
     if (norm_weight.shape != (rank,) or norm_weight.dtype != kv.dtype or norm_weight.device != kv.device
             or norm_weight.stride(0) != 1):
         raise ValueError(f"norm_weight must be [{rank}] contiguous {kv.dtype} on {kv.device}, got "
@@ -253,8 +263,7 @@ def mla_rope_append(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, c
     if not eps > 0:
         raise ValueError(f"eps must be > 0, got {eps}")
     b_n = block_tables.shape[0]
-    if qo_indptr is None and (tokens_per_seq < 1 or tokens_per_seq * b_n != t_n):
-        raise ValueError(f"tokens_per_seq {tokens_per_seq} does not split {t_n} tokens over {b_n} requests")
+    _check_token_split(qo_indptr, tokens_per_seq, b_n, t_n)
     check_paged_kv_append(kv[:, None, :], kv_cache, slot_mapping, block_tables, qo_indptr, tokens_per_seq, 0, refused)
     out = torch.empty(t_n, heads, rank + rope_dim, dtype=q_lat.dtype, device=q_lat.device)
     if t_n == 0:
@@ -265,7 +274,5 @@ def mla_rope_append(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, c
         cos.stride(0), sin, sin.stride(0), norm_weight, float(eps), out, kv_cache, kv_cache.stride(0),
         slot_mapping, block_tables, block_tables.stride(0), w, qo_indptr if qo_indptr is not None else slot_mapping,
         b_n, max(tokens_per_seq, 1), kv_cache.shape[0], refused, H=heads, H_P=triton.next_power_of_2(heads),
-        R=rank, DR=rope_dim, PAGE=page_size, RAGGED=qo_indptr is not None,
-        BLOCK_W=min(triton.next_power_of_2(max(w, 1)), 256), BLOCK_B=min(triton.next_power_of_2(b_n + 1), 256),
-        num_warps=4)
+        R=rank, DR=rope_dim, PAGE=page_size, RAGGED=qo_indptr is not None, **_owner_blocks(w, b_n), num_warps=4)
     return out

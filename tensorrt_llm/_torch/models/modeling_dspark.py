@@ -312,7 +312,9 @@ class DSparkForCausalLMBase(nn.Module, ABC):
         h = embed(block_ids).to(self.norm.weight.dtype)
         derived: dict[Optional[int], AttentionMetadata] = {md.sliding_window: md}
         # the block's rope tables gathered once, where the backend norms and rotates q / k in its append
-        rope = self.rotary.cos_sin(positions) if all(x.fuses_rope_append(backend) for x in self.layers) else None
+        # (the layers share their attention type, regions and rotary: the first one answers for all; each
+        # layer's `attention` checks its own again)
+        rope = self.rotary.cos_sin(positions) if self.layers[0].fuses_rope_append(backend) else None
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             window = self.config.layer_sliding_window(i)
             if window not in derived:
