@@ -32,6 +32,7 @@ r rope dims), V = its first R dims.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -140,12 +141,24 @@ def _merge_splits_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, stride_ot, stride_oh, n
 MAX_SPLITS = 16
 
 
+@functools.cache
+def _gpu_limits(index: int) -> tuple[int, int]:
+    """(SMs, opt-in shared memory bytes per program) of CUDA device `index`, read once per process
+    (every launch sizes its grid and stages from them)."""
+    props = torch.cuda.get_device_properties(index)
+    return props.multi_processor_count, props.shared_memory_per_block_optin
+
+
+def _cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def default_num_splits(programs: int, device: torch.device) -> int:
     """Splits that bring `programs` (request x KV head x row block) up to about the number of SMs:
     a power of two <= MAX_SPLITS, 1 when the programs fill the GPU already (CPU: 1)."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _gpu_limits(_cuda_index(device))[0]
     n = 1
     while n < MAX_SPLITS and programs * n * 2 <= sms:
         n *= 2
@@ -170,7 +183,7 @@ def smem_budget(device: torch.device) -> int:
     on this GPU (H100 / H200: 227 KiB -> 193 KiB), leaving room for the kernel's other buffers."""
     if device.type != "cuda":
         return CPU_SMEM_BUDGET
-    return int(0.85 * torch.cuda.get_device_properties(device).shared_memory_per_block_optin)
+    return int(0.85 * _gpu_limits(_cuda_index(device))[1])
 
 
 def _num_stages(page_size: int, width: int, block_m: int, itemsize: int, budget: int) -> int:
@@ -191,7 +204,7 @@ def launch_config(programs_per_block_row: int, rows: int, page_size: int, width:
     rows are fewer (a 9-token verify's 27 rows of a 3-head group), a small batch wants smaller
     blocks for more programs. MLA (576-wide latent tiles) runs 8 warps, GQA 4. Stages:
     `_num_stages` under `smem_budget` (`examples/gpu/attention_bench.py --configs`)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    sms = _gpu_limits(_cuda_index(device))[0] if device.type == "cuda" else 1
     budget = smem_budget(device)
     block_m = 16
     if rows > 16:
