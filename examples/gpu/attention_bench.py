@@ -64,18 +64,27 @@ def _graph_us(fn, calls: int = 20, reps: int = 5) -> float:
     return statistics.median(times)
 
 
+def _tensors(name: str, batch: int, ctx: int, dev: torch.device
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """A bf16 cache of batch x pages_per random pages (one spare), the requests' tables in page
+    order, and q [batch * qps, Hq, D] -> (cache, table, q, pages_per)."""
+    qps, hq, hkv, d, mla, _ = SHAPES[name]
+    pages_per = -(-(ctx + qps) // P)
+    planes, heads = (1, 1) if mla else (2, hkv)
+    cache = torch.randn(batch * pages_per + 1, planes, heads, P, d, device=dev, dtype=torch.bfloat16)
+    table = torch.arange(batch * pages_per, device=dev, dtype=torch.int32).view(batch, pages_per)
+    q = torch.randn(batch * qps, hq, d, device=dev, dtype=torch.bfloat16)
+    return cache, table, q, pages_per
+
+
 def _case(name: str, batch: int, ctx: int, dev: torch.device, splits: list[int], flashinfer: bool) -> dict:
     qps, hq, hkv, d, mla, causal = SHAPES[name]
-    pages_per = -(-(ctx + qps) // P)
-    n_pages = batch * pages_per + 1
-    planes, heads, width = (1, 1, d) if mla else (2, hkv, d)
-    cache = torch.randn(n_pages, planes, heads, P, width, device=dev, dtype=torch.bfloat16)
-    table = torch.arange(batch * pages_per, device=dev, dtype=torch.int32).view(batch, pages_per)
+    cache, table, q, pages_per = _tensors(name, batch, ctx, dev)
+    n_pages = cache.shape[0]
     t = batch * qps
     slots = (table.long()[:, -1:] * P + (ctx % P)).repeat(1, qps).view(-1).clamp(max=n_pages * P - 1)
     md_args = dict(seq_lens=[qps] * batch, num_cached=[ctx] * batch, block_tables=table, slot_mapping=slots,
                    tokens_per_block=P, causal=causal)
-    q = torch.randn(t, hq, d, device=dev, dtype=torch.bfloat16)
     v_dim = 512 if mla else d
     out = {}
     arms = [("triton", TritonAttention())] + [(f"triton_s{n}", TritonAttention(num_splits=n)) for n in splits]
@@ -103,14 +112,10 @@ def _config_sweep(name: str, batch: int, ctx: int, dev: torch.device) -> dict:
     """us per call of the attention kernel alone (one KV split) under every LaunchConfig, and
     `launch_config`'s choice; a config whose output differs from the default's is marked."""
     qps, hq, hkv, d, mla, causal = SHAPES[name]
-    pages_per = -(-(ctx + qps) // P)
-    planes, heads = (1, 1) if mla else (2, hkv)
-    cache = torch.randn(batch * pages_per + 1, planes, heads, P, d, device=dev, dtype=torch.bfloat16)
-    table = torch.arange(batch * pages_per, device=dev, dtype=torch.int32).view(batch, pages_per)
+    cache, table, q, _ = _tensors(name, batch, ctx, dev)
     lens = torch.full((batch,), ctx + qps, dtype=torch.int32, device=dev)
-    q = torch.randn(batch * qps, hq, d, device=dev, dtype=torch.bfloat16)
     v_dim = 512 if mla else d
-    default = launch_config(batch * heads, qps * (hq // hkv), P, d, 2, mla, dev)
+    default = launch_config(batch * cache.shape[2], qps * (hq // hkv), P, d, 2, mla, dev)
     ref = paged_attention(q, cache, table, lens, 0.1, causal, v_dim, mla, num_splits=1)
     timed = {}
     for bm, warps, stages in itertools.product((16, 32, 64), (4, 8), (1, 2, 3)):
