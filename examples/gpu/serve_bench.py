@@ -4,7 +4,7 @@ Arms (no-spec, DSpark-GQA, DSpark-MLA; one YAML each, as `trtllm-serve --config`
 served-only variants (`--variant NAME=ARM:YAML`, e.g. `nospec_si8=nospec:{stream_interval: 8}`: a
 server whose YAML is ARM's merged with YAML, compared against ARM's offline figures). Every engine is
 built ONCE: one offline `LLM` per arm in this process, one `trtllm-serve` subprocess per arm and
-variant, all resident on the device together. Then `--rounds` rounds; round r runs the arms in the
+variant (started together), all resident on the device together. Then `--rounds` rounds; round r runs the arms in the
 order rotated by r, and per arm: offline (`run_concurrency` of `trtllm-bench`'s engine path: MT-Bench
 first turns with the chat template, every request exactly --max-tokens tokens, T = 0, each
 concurrency level), then served for the arm and each of its variants (`trtllm-bench --backend
@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
@@ -204,14 +205,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     live: dict[str, tuple[subprocess.Popen, str]] = {}
     offline: dict[str, Offline] = {}
     try:
-        for name, args in yamls.items():              # every server once, kept up for all rounds
+        def start(name: str) -> tuple[subprocess.Popen, str]:
             folder = work / f"{name}_server"
             folder.mkdir(exist_ok=True)
-            try:
-                live[name] = start_server(a.model, name, args, folder, a.timeout_s)   # folder/server.log
-            except RuntimeError as e:
-                report["errors"][f"{name} server"] = str(e)[-2000:]
-            save(f"server {name}: {'up' if name in live else 'failed'}")
+            return start_server(a.model, name, yamls[name], folder, a.timeout_s)    # folder/server.log
+
+        with ThreadPoolExecutor(len(yamls)) as pool:     # every server once, started together, up for all rounds
+            for name, fut in [(n, pool.submit(start, n)) for n in yamls]:
+                try:
+                    live[name] = fut.result()
+                except RuntimeError as e:
+                    report["errors"][f"{name} server"] = str(e)[-2000:]
+                save(f"server {name}: {'up' if name in live else 'failed'}")
         for arm in arms:
             cfg = work / f"{arm}.yaml"
             cfg.write_text(yaml.safe_dump(yamls[arm]))

@@ -10,6 +10,8 @@ drafter layer, relative error < 2e-2), while the same KV compared one committed 
 H200), and greedy output must equal the no-spec graph engine's, token for token. With staggered
 arrivals and different max_tokens (piecewise target steps, launched drafts next to eager
 ones) the output still equals the no-spec engine's.
+At T > 0 (graphs, overlap) DSpark samples the no-spec distribution (two-sample chi2, with an
+accept-every-draft control).
 CPU: the eager path is what CPU runs; enabling graphs without CUDA raises.
 """
 from __future__ import annotations
@@ -24,6 +26,7 @@ from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
 from tensorrt_llm._torch.pyexecutor.spec_step_graph import SpecStepGraph
 from tensorrt_llm._torch.speculative.draft_graph_runner import DraftGraphRunner
 from tensorrt_llm._torch.speculative.dspark_worker import DSparkWorker
+from tests.unittest._torch.speculative.chi2 import critical, two_sample_chi2
 
 PROMPTS = ["the quick brown fox", "hello world, what is the capital of france?", "once upon a time",
            "a paged kv cache holds keys and values", "0123456789", "paris is"]
@@ -304,3 +307,37 @@ def test_overlapped_dspark_steps_are_lossless_and_never_block(llama64_dir, tmp_p
         got = [h.result(timeout=0).outputs[0].token_ids for h in handles]
     assert got == plain == baseline
 
+
+
+def _first_two_sampled(target, n: int, seed0: int, **kw) -> tuple[list[tuple[int, ...]], dict]:
+    params = [SamplingParams(max_tokens=2, temperature=1.0, top_k=3, seed=seed0 + i, ignore_eos=True)
+              for i in range(n)]
+    with LLM(str(target), device="cuda", attn_backend="TRITON", max_batch_size=64, use_cuda_graph=True,
+             kv_cache_config={"max_tokens": 65536, "tokens_per_block": 16}, **kw) as llm:
+        outs = llm.generate([[5, 6, 7, 8, 9]] * n, params)
+        return [tuple(o.outputs[0].token_ids) for o in outs], llm.get_stats()
+
+
+@gpu
+def test_sampled_spec_output_has_the_no_spec_distribution_on_the_gpu(llama64_dir, tmp_path_factory, monkeypatch):
+    """T > 0 on the GPU (TRITON, CUDA graphs, overlap on): the (first, second) token pairs of DSpark
+    (the drafter's first block, the RejectionSampler's device verification) and of the no-spec engine
+    are samples of one distribution (two-sample chi2 below the p = 0.001 bound); a verifier that
+    accepts every draft, the control, lands far above it."""
+    import tensorrt_llm._torch.speculative.rejection_sampler as rs
+    n = 1200
+    spec = {"speculative_config": {"decoding_type": "DSpark",
+                                   "speculative_model": str(_drafter(tmp_path_factory, llama64_dir, "gqa"))}}
+    plain, _ = _first_two_sampled(llama64_dir, n, seed0=0)
+    drafted, stats = _first_two_sampled(llama64_dir, n, seed0=n, **spec)
+    assert stats["speculative"]["request_steps"] >= n                  # the second token went through verify
+    chi2, dof = two_sample_chi2(plain, drafted)
+    assert dof >= 4 and chi2 < critical(dof), (chi2, dof)
+
+    def accept_all_batched(draft_ids, num_drafts, draft_probs, target_probs, *keys):
+        rows = torch.arange(len(num_drafts), device=num_drafts.device)
+        return num_drafts, torch.multinomial(target_probs[rows, num_drafts], 1).squeeze(-1)
+    monkeypatch.setattr(rs, "batched_rejection_accept", accept_all_batched)
+    biased, _ = _first_two_sampled(llama64_dir, n, seed0=n, **spec)
+    chi2_bad, dof_bad = two_sample_chi2(plain, biased)
+    assert chi2_bad > 3 * critical(dof_bad), (chi2_bad, dof_bad)

@@ -12,6 +12,7 @@ from tensorrt_llm._torch.models.checkpoint import read_config
 from tensorrt_llm._torch.models.modeling_dspark import DSparkForCausalLMBase
 from tensorrt_llm._torch.models.modeling_llama import LlamaConfig
 from tensorrt_llm._torch.speculative.dspark_worker import DSparkWorker
+from tests.unittest._torch.speculative.chi2 import critical, two_sample_chi2
 
 PROMPTS = ["the quick brown fox", "hello world, what is the capital of france?",
            "a paged kv cache holds keys and values in fixed size blocks and the target verifies them",
@@ -265,14 +266,6 @@ def test_full_drafts_near_max_tokens_commit_capped(tiny_llama_dir, drafters, bas
     assert uncapped["hist"] != hist and uncapped["drafted"] > drafted
 
 
-def _two_sample_chi2(a: list, b: list) -> tuple[float, int]:
-    """Two-sample chi2 of equal-size samples over their cells -> (statistic, dof)."""
-    from collections import Counter
-    ca, cb = Counter(a), Counter(b)
-    cells = set(ca) | set(cb)
-    return sum((ca[c] - cb[c]) ** 2 / (ca[c] + cb[c]) for c in cells), len(cells) - 1
-
-
 def _first_two_tokens(target, drafter, n: int, seed0: int):
     spec = {"speculative_config": _spec(drafter)} if drafter else {}
     params = [SamplingParams(max_tokens=2, temperature=1.0, top_k=3, seed=seed0 + i, ignore_eos=True)
@@ -290,8 +283,8 @@ def test_sampled_spec_output_has_the_no_spec_distribution(tiny_llama_dir, drafte
     plain, _ = _first_two_tokens(tiny_llama_dir, None, n, seed0=0)
     spec, stats = _first_two_tokens(tiny_llama_dir, drafters["gqa"], n, seed0=n)
     assert stats["speculative"]["request_steps"] >= n                  # the second token went through verify
-    chi2, dof = _two_sample_chi2(plain, spec)
-    crit = dof + 3.1 * (2 * dof) ** 0.5 + 5       # above the p = 0.001 point (26.1 at dof 8; seen: 8.5)
+    chi2, dof = two_sample_chi2(plain, spec)
+    crit = critical(dof)                          # seen: 8.5 at dof 8
     assert chi2 < crit, (chi2, dof)
 
     def accept_all_batched(draft_ids, num_drafts, draft_probs, target_probs, *keys):
@@ -299,7 +292,7 @@ def test_sampled_spec_output_has_the_no_spec_distribution(tiny_llama_dir, drafte
         return num_drafts, torch.multinomial(target_probs[rows, num_drafts], 1).squeeze(-1)
     monkeypatch.setattr(rs, "batched_rejection_accept", accept_all_batched)
     biased, _ = _first_two_tokens(tiny_llama_dir, drafters["gqa"], n, seed0=n)
-    chi2_bad, dof_bad = _two_sample_chi2(plain, biased)
+    chi2_bad, dof_bad = two_sample_chi2(plain, biased)
     assert chi2_bad > 3 * crit, (chi2_bad, dof_bad)
 
 
