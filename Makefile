@@ -10,7 +10,7 @@ $(VENV)/.installed: setup.py requirements.txt
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -r requirements.txt
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,cutedsl]'
 	touch $@
 
 install: $(VENV)/.installed

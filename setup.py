@@ -44,6 +44,9 @@ setup(
         # triton: the TRITON kernels' CPU tests run in Triton's interpreter (CUDA wheels of torch ship it)
         # ninja: the C++ ops' CPU tests build cpp/dspark_ops.cpp with torch.utils.cpp_extension
         "test": ["pytest>=8", "transformers>=4.45", "openai>=1.40", "triton>=3.2", "ninja"],
+        # the CuTe DSL norm + RoPE prep kernel (attention_backend: CUTEDSL, sm90+); CI installs it so that the
+        # kernel's CPU test compiles it for sm_90a (~100 MB of wheels)
+        "cutedsl": ["nvidia-cutlass-dsl==4.8.1"],
         # GSM8K through the server (tensorrt_llm/bench/lm_eval_gsm8k.py); heavy, not installed by CI
         "eval": ["lm-eval[api]==0.4.13", "transformers>=4.45", "accelerate"],
     },

@@ -1,0 +1,154 @@
+"""Fused RMSNorm + RoPE preparation of attention rows: a CuTe DSL kernel (nvidia-cutlass-dsl, sm90+)
+and its torch reference (the CPU path, and what the tests compare against).
+
+Row (t, h) of x [T, H, W] (W = width) becomes::
+
+    y[:norm_dim]   = rms_norm(x[:norm_dim]) * weight        (apply_rmsnorm; else x[:norm_dim] as is)
+    y[norm_dim:]   = x[norm_dim:]                           (passed through raw)
+    y[W - R:]      = rope(y[W - R:], cos[t], sin[t])        (R = rope_dim, the last R columns)
+    out[t, h, out_offset : out_offset + W] = y
+
+so a GQA q / k head is `norm_dim = R = W = head_dim` (normed, then rotated), an MLA latent row is
+`W = 576, norm_dim = 512, R = 64` (the latent normed, the rope tail raw and then rotated), and an
+absorbed MLA query's rope part is `norm_dim = 0, apply_rmsnorm = False, R = W = 64` written at
+`out_offset = 512` of the [T, H, 576] query. Numerics (float32 inside): the statistic
+rsqrt(mean(x^2) + eps) over the first norm_dim columns; the normed value rounded to x's dtype, times
+the weight, rounded again (`modules.rms_norm`'s order and the TRITON append's); the half rotation with
+the full-width signed tables of `RotaryEmbedding.cos_sin` (y * cos + [y2 | y1] * sin), rounded to
+out's dtype.
+
+    x [T, H, W]              any token / head strides, contiguous columns; bfloat16, float16, float32
+    cos / sin [T, R]         float32, any token stride, contiguous columns (a token's row serves its H rows)
+    weight [norm_dim] or [H, norm_dim]   x's dtype, contiguous (one per head: e.g. every layer's norm)
+    out [T, H, W_out]        x's dtype, any token / head strides, contiguous columns; out_offset + W <= W_out
+
+The kernel: one warp per row, 4 rows per CTA; lanes stride the columns (coalesced), the statistic is
+a warp butterfly reduction, a rope column loads its partner column itself. It is compiled once per
+(dtype, H, W, norm_dim, R, apply_rmsnorm, weight kind) and cached; token count, strides and pointers
+are runtime values. The GPU arch is the device's (the DSL asks the driver). `cute_dsl_unavailable`
+is the support predicate, checked before any numeric work: on CUDA without it `norm_rope` raises.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Optional
+
+import torch
+
+MIN_SM = 90
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@functools.lru_cache(maxsize=1)
+def dsl_import_error() -> str:
+    """'' when the CuTe DSL (`cutlass.cute`, nvidia-cutlass-dsl) imports, else the import error."""
+    try:
+        importlib.import_module("cutlass.cute")
+        importlib.import_module("cuda.bindings.driver")
+    except Exception as e:  # ImportError or a broken install (missing native libraries)
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def cute_dsl_unavailable(device: torch.device) -> str:
+    """The support predicate of the kernel on `device`: '' when it can run there, else why not (a CUDA
+    device of sm90+ and an importable nvidia-cutlass-dsl)."""
+    if device.type != "cuda":
+        return f"the CuTe DSL norm + RoPE kernel needs a CUDA device (device is {device.type})"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major * 10 + minor < MIN_SM:
+        return f"the CuTe DSL norm + RoPE kernel needs sm{MIN_SM}+ (Hopper), device is sm{major}{minor}"
+    err = dsl_import_error()
+    if err:
+        return f"nvidia-cutlass-dsl is not importable ({err}); install the 'cutedsl' extra"
+    return ""
+
+
+def check_norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, norm_dim: int,
+                    weight: Optional[torch.Tensor], eps: float, apply_rmsnorm: bool, out_offset: int) -> None:
+    """Raise ValueError naming the argument and its value when `norm_rope` cannot take these inputs."""
+    if x.dim() != 3:
+        raise ValueError(f"x must be [T, H, W], got shape {tuple(x.shape)}")
+    t_n, heads, width = x.shape
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"x dtype must be one of {[str(d) for d in SUPPORTED_DTYPES]}, got {x.dtype}")
+    if width < 1 or (x.numel() and x.stride(2) != 1):
+        raise ValueError(f"x must have contiguous columns (stride 1), got strides {x.stride()}")
+    if min(x.stride()) < 0:
+        raise ValueError(f"x row strides must be >= 0, got {x.stride()}")
+    if not 0 <= norm_dim <= width:
+        raise ValueError(f"norm_dim must be in [0, {width}] (x's width), got {norm_dim}")
+    if apply_rmsnorm and norm_dim == 0:
+        raise ValueError("norm_dim must be >= 1 with apply_rmsnorm (0 columns to normalise)")
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0, got {eps}")
+    for name, tab in (("cos", cos), ("sin", sin)):
+        if tab.dim() != 2 or tab.shape[0] != t_n or tab.dtype != torch.float32:
+            raise ValueError(f"{name} must be [{t_n}, rope_dim] float32, got {tuple(tab.shape)} {tab.dtype}")
+        if tab.numel() and tab.stride(1) != 1:
+            raise ValueError(f"{name} must have contiguous columns (stride 1), got strides {tab.stride()}")
+    rope_dim = cos.shape[1]
+    if sin.shape != cos.shape:
+        raise ValueError(f"sin must have cos's shape {tuple(cos.shape)}, got {tuple(sin.shape)}")
+    if rope_dim < 2 or rope_dim % 2 or rope_dim > width:
+        raise ValueError(f"rope_dim (cos's width) must be even and in [2, {width}], got {rope_dim}")
+    if weight is not None:
+        if weight.shape not in ((norm_dim,), (heads, norm_dim)) or weight.dtype != x.dtype or \
+                not weight.is_contiguous():
+            raise ValueError(f"weight must be a contiguous [{norm_dim}] or [{heads}, {norm_dim}] {x.dtype}, got "
+                             f"{tuple(weight.shape)} {weight.dtype} strides {weight.stride()}")
+        if not apply_rmsnorm:
+            raise ValueError("weight given with apply_rmsnorm=False (it would be ignored)")
+    if out.dim() != 3 or out.shape[:2] != (t_n, heads):
+        raise ValueError(f"out must be [{t_n}, {heads}, W_out], got shape {tuple(out.shape)}")
+    if out.dtype != x.dtype:
+        raise ValueError(f"out dtype must be x's ({x.dtype}), got {out.dtype}")
+    if out.numel() and (out.stride(2) != 1 or min(out.stride()) < 0):
+        raise ValueError(f"out must have contiguous columns (stride 1) and strides >= 0, got {out.stride()}")
+    if out_offset < 0 or out_offset + width > out.shape[2]:
+        raise ValueError(f"out_offset {out_offset} + width {width} overflows out's {out.shape[2]} columns")
+    devices = {a.device for a in (x, cos, sin, out) + (() if weight is None else (weight,))}
+    if len(devices) != 1:
+        raise ValueError(f"x, cos, sin, weight and out must be on one device, got {sorted(map(str, devices))}")
+
+
+def norm_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm_dim: int,
+                        weight: Optional[torch.Tensor], eps: float, apply_rmsnorm: bool) -> torch.Tensor:
+    """The torch form of the kernel (module doc): x [T, H, W] -> y [T, H, W] in x's dtype."""
+    width, rope_dim = x.shape[2], cos.shape[1]
+    y = x.float()
+    if apply_rmsnorm:
+        head = y[..., :norm_dim]
+        head = (head * torch.rsqrt(head.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype).float()
+        if weight is not None:
+            head = (head * weight.float()).to(x.dtype).float()
+        y = torch.cat((head, y[..., norm_dim:]), dim=-1)
+    tail, half = y[..., width - rope_dim:], rope_dim // 2
+    rot = tail * cos[:, None, :] + torch.cat((tail[..., half:], tail[..., :half]), dim=-1) * sin[:, None, :]
+    return torch.cat((y[..., :width - rope_dim], rot), dim=-1).to(x.dtype)
+
+
+def norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, norm_dim: int,
+              weight: Optional[torch.Tensor] = None, eps: float = 1e-6, apply_rmsnorm: bool = True,
+              out_offset: int = 0) -> torch.Tensor:
+    """Write the prepared rows of x [T, H, W] into out[:, :, out_offset : out_offset + W] (module doc) and
+    return out. CUDA: the CuTe DSL kernel (ValueError where `cute_dsl_unavailable`, never a silent
+    fallback); CPU: the torch reference."""
+    check_norm_rope(x, cos, sin, out, norm_dim, weight, eps, apply_rmsnorm, out_offset)
+    width = x.shape[2]
+    dst = out[:, :, out_offset:out_offset + width]
+    if x.device.type != "cuda":
+        dst.copy_(norm_rope_reference(x, cos, sin, norm_dim, weight, eps, apply_rmsnorm))
+        return out
+    why = cute_dsl_unavailable(x.device)
+    if why:
+        raise ValueError(why)
+    if x.shape[0] == 0:
+        return out
+    from .cute_norm_rope_kernel import compiled_norm_rope, cute_tensor, current_stream
+    kind = "none" if weight is None else ("shared" if weight.dim() == 1 else "per_head")
+    fn = compiled_norm_rope(x.dtype, x.shape[1], width, norm_dim, cos.shape[1], apply_rmsnorm, kind)
+    w = x[0, :1, :] if weight is None else (weight[None, :] if weight.dim() == 1 else weight)
+    fn(*(cute_tensor(a) for a in (x, w, cos, sin, dst)), float(eps), current_stream(x.device))
+    return out
