@@ -8,7 +8,18 @@ pools, each at its own dtype); CTX only has to keep them until GEN says it has t
 
 On a CPU host NIXL moves DRAM to DRAM through UCX, which needs the TCP transport: the agent sets
 `UCX_TLS=tcp,self,sm` in the process environment (unless the operator set UCX_TLS) before UCX
-starts. This is transport setup of the worker process, not a behaviour switch.
+starts. This is transport setup of the worker process, not a behaviour switch. CUDA pools are
+registered as VRAM (the tensor's device index) and keep UCX's default transports (all), among them
+cuda_ipc (a peer process's VRAM on this host, the same GPU included) and cuda_copy; a UCX_TLS set
+by the operator must name them.
+
+CUDA ordering (the engine queues its work on one stream per process; NIXL copies on UCX's own):
+- CTX: `wait_device()` before the pages are published, so the prefill's writes of both pools are
+  done before any GEN can read them;
+- GEN: `pull` waits for this process's queued work before the READ (a page just freed by a
+  finished request may still be written by the step in flight) and returns only when NIXL reports
+  the READ done, which for VRAM means the copy completed on the GPU, so the next step's kernels,
+  queued after the pull returns, read the pulled pages.
 """
 from __future__ import annotations
 
@@ -78,7 +89,13 @@ class KVTransferAgent:
 
     def __init__(self, pools: dict[str, torch.Tensor], tokens_per_block: int, role: str,
                  timeout_s: float = 30.0):
-        if any(t.device.type == "cpu" for t in pools.values()):
+        self.device = next(iter(pools.values())).device
+        if any(t.device != self.device or not t.is_contiguous() for t in pools.values()):
+            raise ValueError("KV pools must be contiguous tensors on one device, got "
+                             f"{ {n: (str(t.device), t.is_contiguous()) for n, t in pools.items()} }")
+        # NIXL's memory type and devId of the pools (register_memory takes the same from the tensors)
+        self.mem, self.dev_id = ("DRAM", 0) if self.device.type == "cpu" else ("VRAM", self.device.index or 0)
+        if self.mem == "DRAM":
             os.environ.setdefault("UCX_TLS", CPU_UCX_TLS)     # must precede the agent's UCX init
         from nixl._api import nixl_agent, nixl_agent_config
         self.name = f"{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -88,15 +105,18 @@ class KVTransferAgent:
         self.timeout_s = timeout_s
         self._regs = [self.agent.register_memory(t) for t in pools.values()]
         self.info = {n: PoolInfo.of(t) for n, t in pools.items()}
-        self._peers: dict[str, dict[str, PoolInfo]] = {}     # agent name -> its pools
+        self._peers: dict[str, tuple[int, dict[str, PoolInfo]]] = {}     # agent name -> (devId, its pools)
 
-    def _mem(self, t: torch.Tensor) -> tuple[str, int]:
-        return ("DRAM", 0) if t.device.type == "cpu" else ("VRAM", t.device.index or 0)
+    def wait_device(self) -> None:
+        """Until every kernel this process queued on the pools' GPU so far has finished (CPU: at once)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def metadata(self) -> dict[str, Any]:
         """What a peer needs to read from this agent (JSON-able)."""
         return {"agent_name": self.name,
                 "agent_metadata": base64.b64encode(self.agent.get_agent_metadata()).decode(),
+                "mem": self.mem, "dev_id": self.dev_id,
                 "pools": {n: {"addr": i.addr, "num_pages": i.num_pages} for n, i in self.info.items()},
                 "layout": layout_of(self.pools, self.tokens_per_block)}
 
@@ -105,10 +125,13 @@ class KVTransferAgent:
         name = meta["agent_name"]
         if name in self._peers:
             return
+        if meta.get("mem") != self.mem:     # one NIXL READ has one memory type on both sides
+            raise ValueError(f"peer {name} keeps its KV in {meta.get('mem')}, this worker in {self.mem}")
         self.agent.add_remote_agent(base64.b64decode(meta["agent_metadata"]))
         mine = self.info
-        self._peers[name] = {n: PoolInfo(p["addr"], mine[n].num_layers, p["num_pages"], mine[n].page_bytes,
-                                         mine[n].page_shape, mine[n].dtype) for n, p in meta["pools"].items()}
+        self._peers[name] = (int(meta["dev_id"]), {
+            n: PoolInfo(p["addr"], mine[n].num_layers, p["num_pages"], mine[n].page_bytes, mine[n].page_shape,
+                        mine[n].dtype) for n, p in meta["pools"].items()})
 
     def forget_peer(self, name: str) -> None:
         if self._peers.pop(name, None) is not None:
@@ -120,7 +143,9 @@ class KVTransferAgent:
     def pull(self, peer: str, remote_pages: Sequence[int], local_pages: Sequence[int],
              pools: Optional[Sequence[str]] = None) -> dict[str, Any]:
         """READ the peer's `remote_pages` of `pools` (default: all) into `local_pages`; blocks until
-        done (the other pools' local pages are zeroed: the diagnostic negative control). Raises RuntimeError on a failed or timed-out transfer. Returns {bytes, seconds}."""
+        done (the other pools' local pages are zeroed: the diagnostic negative control). Raises
+        RuntimeError on a failed or timed-out transfer. Returns {bytes, seconds, pool_bytes}
+        (pool_bytes: per pool pulled)."""
         if len(remote_pages) != len(local_pages):
             raise ValueError(f"{len(remote_pages)} remote pages for {len(local_pages)} local pages")
         if peer not in self._peers:
@@ -131,15 +156,16 @@ class KVTransferAgent:
             idx = torch.tensor(list(local_pages), dtype=torch.long, device=self.pools[left[0]].device)
             for n in left:
                 self.pools[n][:, idx] = 0
+        pool_bytes = {n: len(local_pages) * self.info[n].num_layers * self.info[n].page_bytes for n in names}
         if not local_pages or not names:
-            return {"bytes": 0, "seconds": 0.0}
-        remote = self._peers[peer]
-        mem, dev = self._mem(next(iter(self.pools.values())))
-        local_d = np.concatenate([self.info[n].descs(local_pages, dev) for n in names])
-        remote_d = np.concatenate([remote[n].descs(remote_pages, 0) for n in names])
+            return {"bytes": 0, "seconds": 0.0, "pool_bytes": {n: 0 for n in names}}
+        remote_dev, remote = self._peers[peer]
+        local_d = np.concatenate([self.info[n].descs(local_pages, self.dev_id) for n in names])
+        remote_d = np.concatenate([remote[n].descs(remote_pages, remote_dev) for n in names])
+        self.wait_device()         # no queued kernel of this process writes these pages during the READ
         t0 = time.perf_counter()
-        handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local_d, mem),
-                                            self.agent.get_xfer_descs(remote_d, mem), peer)
+        handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local_d, self.mem),
+                                            self.agent.get_xfer_descs(remote_d, self.mem), peer)
         if not handle:
             raise RuntimeError(f"NIXL could not create a transfer from {peer}")
         try:
@@ -154,4 +180,4 @@ class KVTransferAgent:
                 state = self.agent.check_xfer_state(handle)
         finally:
             self.agent.release_xfer_handle(handle)
-        return {"bytes": int(local_d[:, 1].sum()), "seconds": time.perf_counter() - t0}
+        return {"bytes": int(local_d[:, 1].sum()), "seconds": time.perf_counter() - t0, "pool_bytes": pool_bytes}
