@@ -39,10 +39,13 @@ class RequestResult:
 
 
 def scrape_spec(client: httpx.Client) -> dict[str, float]:
-    """Speculative counters of /metrics (empty without a drafter)."""
-    text = client.get("/metrics").text
+    """Speculative counters of /metrics (empty without a drafter, or where the server has no /metrics:
+    the disaggregated router, whose GEN workers count the drafts)."""
+    r = client.get("/metrics")
+    if r.status_code != 200:
+        return {}
     out = {}
-    for fam in text_string_to_metric_families(text):
+    for fam in text_string_to_metric_families(r.text):
         for s in fam.samples:
             if s.name in ("trtllm_spec_decode_num_drafts_total", "trtllm_spec_decode_num_accepted_tokens_total",
                           "trtllm_spec_decode_num_draft_tokens_total"):

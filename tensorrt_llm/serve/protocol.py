@@ -188,6 +188,10 @@ class ChatCompletionRequest(_SamplingFields):
         return [{"role": m.role, "content": m.text} for m in self.messages]
 
 
+# the request model of each generation endpoint, by the name disaggregated workers are sent (`api`)
+GENERATION_APIS: dict[str, type[_SamplingFields]] = {"completions": CompletionRequest, "chat": ChatCompletionRequest}
+
+
 class TokenizeCompletionRequest(_Strict):
     """POST /tokenize with a prompt (vLLM's shape). add_special_tokens defaults to false: the ids
     /v1/completions feeds the model for the same prompt."""

@@ -44,6 +44,60 @@ async def wait_for_disconnect(request: Request) -> None:
         pass
 
 
+def usage_body(n_prompt: int, n_out: int) -> dict[str, int]:
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+
+
+def response_body(req: AnyRequest, model: str, text: str, finish: Optional[str], token_ids: list[int],
+                  prompt_ids: list[int]) -> dict[str, Any]:
+    """The non-streamed reply (completion or chat) of a finished request."""
+    chat = isinstance(req, ChatCompletionRequest)
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": [choice], "usage": usage_body(len(prompt_ids), len(token_ids))}
+    if req.return_token_ids:
+        choice["token_ids"] = list(token_ids)
+        body["prompt_token_ids"] = list(prompt_ids)
+    return body
+
+
+class ChunkWriter:
+    """The SSE chunks of one streamed request (one id and `created` for all of them)."""
+
+    def __init__(self, req: AnyRequest, model: str):
+        self.req, self.model = req, model
+        self.chat = isinstance(req, ChatCompletionRequest)
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.object = "chat.completion.chunk" if self.chat else "text_completion"
+
+    def chunk(self, text: Optional[str], new_ids: list[int], finish: Optional[str], role: bool = False) -> str:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        if self.req.return_token_ids:
+            choice["token_ids"] = new_ids
+        body = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": [choice]}
+        if self.req.include_usage_chunk:
+            body["usage"] = None
+        return sse(body)
+
+    def usage(self, n_prompt: int, n_out: int) -> str:
+        """The last chunk of `stream_options.include_usage`."""
+        return sse({"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                    "choices": [], "usage": usage_body(n_prompt, n_out)})
+
+
 class OpenAIServing:
     """Turns validated OpenAI requests into engine requests and engine outputs into responses."""
 
@@ -117,11 +171,6 @@ class OpenAIServing:
                                      out.metrics if out is not None else {})
 
     # ---- responses ---------------------------------------------------------------------
-    @staticmethod
-    def _usage(ids: list[int], out: RequestOutput) -> dict[str, int]:
-        n = len(out.outputs[0].token_ids)
-        return {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
-
     async def respond(self, req: AnyRequest, http: Request, **engine_kw: Any) -> dict[str, Any]:
         """Non-streaming: wait for the result, or abort it when the client disconnects first."""
         ids, handle = self.submit(req, **engine_kw)
@@ -142,29 +191,7 @@ class OpenAIServing:
         self._finished(c.finish_reason or "error", ids, out)
         if c.finish_reason == "error":
             raise OpenAIError(f"request failed in the engine: {c.error}", status=500, type_="server_error")
-        rid, created = self._ids(req)
-        if isinstance(req, ChatCompletionRequest):
-            choice = {"index": 0, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
-                      "finish_reason": c.finish_reason}
-        else:
-            choice = {"index": 0, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
-        body = {"id": rid, "object": self._object(req, False), "created": created, "model": self.model_name,
-                "choices": [choice], "usage": self._usage(ids, out)}
-        if req.return_token_ids:
-            choice["token_ids"] = list(c.token_ids)
-            body["prompt_token_ids"] = ids
-        return body
-
-    @staticmethod
-    def _ids(req: AnyRequest) -> tuple[str, int]:
-        prefix = "chatcmpl" if isinstance(req, ChatCompletionRequest) else "cmpl"
-        return f"{prefix}-{uuid.uuid4().hex}", int(time.time())
-
-    @staticmethod
-    def _object(req: AnyRequest, chunk: bool) -> str:
-        if isinstance(req, ChatCompletionRequest):
-            return "chat.completion.chunk" if chunk else "chat.completion"
-        return "text_completion"
+        return response_body(req, self.model_name, c.text, c.finish_reason, list(c.token_ids), ids)
 
     def stream(self, req: AnyRequest, **engine_kw: Any) -> AsyncIterator[str]:
         """Submit now (so a bad request is a 400 before any byte is sent), then stream SSE chunks."""
@@ -172,30 +199,12 @@ class OpenAIServing:
         return self._stream(req, ids, handle)
 
     async def _stream(self, req: AnyRequest, ids: list[int], handle: GenerationResult) -> AsyncIterator[str]:
-        rid, created = self._ids(req)
-        chat = isinstance(req, ChatCompletionRequest)
+        chunks = ChunkWriter(req, self.model_name)
         hold = max((len(s) for s in SamplingParams(stop=req.stop).stop_strings), default=1) - 1
-
-        def chunk(text: Optional[str], new_ids: list[int], finish: Optional[str], role: bool = False) -> str:
-            if chat:
-                delta: dict[str, Any] = {"role": "assistant"} if role else {}
-                if text is not None:
-                    delta["content"] = text
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-            if req.return_token_ids:
-                choice["token_ids"] = new_ids
-            body = {"id": rid, "object": self._object(req, True), "created": created, "model": self.model_name,
-                    "choices": [choice]}
-            if req.include_usage_chunk:
-                body["usage"] = None
-            return sse(body)
-
         sent_text, sent_ids, out = "", 0, None
         try:
-            if chat:
-                yield chunk("", [], None, role=True)
+            if chunks.chat:
+                yield chunks.chunk("", [], None, role=True)
             async for out in handle:
                 c = out.outputs[0]
                 if out.finished:
@@ -203,7 +212,7 @@ class OpenAIServing:
                 visible = c.text[:len(c.text) - hold] if hold else c.text
                 if len(visible) > len(sent_text) or (req.return_token_ids and len(c.token_ids) > sent_ids):
                     delta = visible[len(sent_text):]
-                    yield chunk(delta, c.token_ids[sent_ids:], None)
+                    yield chunks.chunk(delta, c.token_ids[sent_ids:], None)
                     sent_text, sent_ids = sent_text + delta, len(c.token_ids)
         finally:
             if out is None or not out.finished:     # the client went away (or the loop is closing)
@@ -218,8 +227,7 @@ class OpenAIServing:
             return
         if not c.text.startswith(sent_text):        # cannot happen for byte-level BPE; say so if it does
             logger.warning("request %d: streamed text is not a prefix of the final text", out.request_id)
-        yield chunk(c.text[len(sent_text):], c.token_ids[sent_ids:], c.finish_reason)
+        yield chunks.chunk(c.text[len(sent_text):], c.token_ids[sent_ids:], c.finish_reason)
         if req.include_usage_chunk:
-            yield sse({"id": rid, "object": self._object(req, True), "created": created, "model": self.model_name,
-                       "choices": [], "usage": self._usage(ids, out)})
+            yield chunks.usage(len(ids), len(c.token_ids))
         yield sse("[DONE]")

@@ -1,9 +1,13 @@
 """`trtllm-serve disaggregated -c disagg.yaml`: the router in front of CTX and GEN workers.
 
-    POST /v1/completions   CTX /disagg/context (prefill: first token + first drafts, pages held),
-                           then GEN /disagg/generation (pulls both pools' pages, decodes); streamed
-                           through when stream=true
-    GET  /health           200 when at least one CTX and one GEN worker answer /health
+    POST /v1/completions        CTX /disagg/context (prefill: first token + first drafts, pages held),
+    POST /v1/chat/completions   then GEN /disagg/generation (pulls both pools' pages, decodes); streamed
+                                through when stream=true. The body is validated here with the
+                                aggregated server's request models (the same 400s); the workers apply
+                                the chat template, so replies equal the aggregated server's.
+    GET  /v1/models             \
+    POST /tokenize, /detokenize  > answered by a CTX worker (all workers serve one model: checked by GEN)
+    GET  /health                200 when at least one CTX and one GEN worker answer /health
 
 Faults: a worker that cannot be reached, or a GEN worker that sends nothing for
 `request_timeout_s`, ends that request with an OpenAI error (502 / an SSE error chunk); the router
@@ -14,8 +18,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
-import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator, Literal, Optional
 
@@ -25,9 +27,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..app import KEEP_ALIVE_S, read_json
+from ..app import KEEP_ALIVE_S, parse, read_json
 from ..errors import OpenAIError
-from ..serving import sse
+from ..protocol import GENERATION_APIS, ChatCompletionRequest, CompletionRequest
+from ..serving import ChunkWriter, response_body, sse
 
 logger = logging.getLogger("tensorrt_llm")
 
@@ -114,11 +117,11 @@ def create_router_app(cfg: DisaggConfig) -> FastAPI:
         except httpx.HTTPError as e:      # CTX gone: nothing is held any more
             logger.warning("release of %d on %s failed: %s", rid, ctx_url, e)
 
-    async def context_phase(body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    async def context_phase(payload: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         url = ctx_pool.pick()
         ctx_pool.load[url] += 1
         try:
-            r = await client.post(f"{url}/disagg/context", json={"request": body})
+            r = await client.post(f"{url}/disagg/context", json=payload)
         except httpx.HTTPError as e:
             raise _error(f"context worker {url} failed: {type(e).__name__}: {e}") from e
         finally:
@@ -127,21 +130,49 @@ def create_router_app(cfg: DisaggConfig) -> FastAPI:
             raise _passthrough(r)
         return url, r.json()
 
+    async def on_ctx_worker(method: str, path: str, body: Any = None) -> Response:
+        """The first CTX worker that answers, as it answered (model card, tokenizer routes)."""
+        errors = []
+        for url in ctx_pool.urls:
+            try:
+                r = await client.request(method, f"{url}{path}", json=body)
+            except httpx.HTTPError as e:
+                errors.append(f"{url}: {type(e).__name__}: {e}")
+                continue
+            return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+        raise _error("no context worker answered " + path + ": " + "; ".join(errors))
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return await on_ctx_worker("GET", "/v1/models")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await on_ctx_worker("POST", "/tokenize", await read_json(request))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await on_ctx_worker("POST", "/detokenize", await read_json(request))
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await read_json(request)
-        if not isinstance(body, dict):
-            raise OpenAIError("request body must be a JSON object", param="body")
-        stream = bool(body.get("stream"))
-        ctx_url, c = await context_phase(body)
+        return await generate("completions", await read_json(request))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate("chat", await read_json(request))
+
+    async def generate(api: str, body: Any) -> Response:
+        req = parse(GENERATION_APIS[api], body)
+        ctx_url, c = await context_phase({"request": body, "api": api})
         if c["finish_reason"] != "context":          # ended at its first token (stop / max_tokens 1)
-            return _finished_on_ctx(body, c, stream)
+            return _finished_on_ctx(req, c)
         ctx = {**c, "url": ctx_url}
         if cfg.transfer_pools is not None:
             ctx["pools"] = list(cfg.transfer_pools)
         gen_url = gen_pool.pick()
         gen_pool.load[gen_url] += 1
-        payload = {"request": body, "ctx": ctx}
+        payload = {"request": body, "api": api, "ctx": ctx}
         rid = int(c["ctx_request_id"])
         try:
             resp = await client.send(client.build_request("POST", f"{gen_url}/disagg/generation", json=payload),
@@ -150,7 +181,7 @@ def create_router_app(cfg: DisaggConfig) -> FastAPI:
             gen_pool.load[gen_url] -= 1
             await release(ctx_url, rid)
             raise _error(f"generation worker {gen_url} failed: {type(e).__name__}: {e}") from e
-        if resp.status_code != 200 or not stream:
+        if resp.status_code != 200 or not req.stream:
             try:
                 raw = await resp.aread()
             except httpx.HTTPError as e:
@@ -189,21 +220,17 @@ def _passthrough(r: httpx.Response) -> OpenAIError:
         return _error(f"worker answered {r.status_code}: {r.text[:200]}", r.status_code)
 
 
-def _finished_on_ctx(body: dict[str, Any], c: dict[str, Any], stream: bool) -> Response:
-    n_prompt, n_out = len(c["prompt_token_ids"]), len(c["token_ids"])
-    choice: dict[str, Any] = {"index": 0, "text": c["text"], "logprobs": None, "finish_reason": c["finish_reason"]}
-    if body.get("return_token_ids"):
-        choice["token_ids"] = c["token_ids"]
-    out = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-           "model": body.get("model"), "choices": [choice],
-           "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}}
-    if not stream:
-        return JSONResponse(out)
-    usage = out.pop("usage")
-    text = sse(out)
-    if (body.get("stream_options") or {}).get("include_usage"):
-        text += sse({**out, "choices": [], "usage": usage})
-    return Response(text + sse("[DONE]"), media_type="text/event-stream")
+def _finished_on_ctx(req: CompletionRequest | ChatCompletionRequest, c: dict[str, Any]) -> Response:
+    """The reply of a request that ended on CTX at its first token, shaped as the aggregated server's."""
+    text, ids, finish, prompt = c["text"], c["token_ids"], c["finish_reason"], c["prompt_token_ids"]
+    if not req.stream:
+        return JSONResponse(response_body(req, req.model, text, finish, ids, prompt))
+    chunks = ChunkWriter(req, req.model)
+    out = chunks.chunk("", [], None, role=True) if chunks.chat else ""
+    out += chunks.chunk(text, ids, finish)
+    if req.include_usage_chunk:
+        out += chunks.usage(len(prompt), len(ids))
+    return Response(out + sse("[DONE]"), media_type="text/event-stream")
 
 
 def main(argv: list[str]) -> int:

@@ -1,13 +1,19 @@
 """The routes a `trtllm-serve --server_role context|generation` worker adds to the OpenAI app.
 
     GET  /disagg/info          role, model / drafter identity, KV layout, NIXL agent metadata
-    GET  /disagg/state         held context requests and the last transfers (bytes, seconds, digests)
-    POST /disagg/context       CTX: {"request": <completions body>, "kv_digest": bool} -> prefill only;
-                               the pages stay held until /disagg/release (or hold_timeout_s)
+    GET  /disagg/state         held context requests and the last 512 transfers (pages, bytes in all and
+                               per pool, seconds, digests when asked)
+    POST /disagg/context       CTX: {"request": <body>, "api": "completions"|"chat", "kv_digest": bool}
+                               -> prefill only; the pages stay held until /disagg/release (or
+                               hold_timeout_s)
     POST /disagg/release       CTX: {"ctx_request_id": N} (idempotent)
-    POST /disagg/generation    GEN: {"request": <completions body>, "ctx": <the /disagg/context reply
-                               + "url">} -> the OpenAI reply (SSE with stream=true); the KV of both
-                               pools is pulled over NIXL at admission, then GEN releases it on CTX
+    POST /disagg/generation    GEN: {"request": <body>, "api": ..., "ctx": <the /disagg/context reply
+                               + "url">} -> the OpenAI reply of that api (SSE with stream=true); the KV
+                               of both pools is pulled over NIXL at admission, then GEN releases it on CTX
+
+`request` is the body of POST /v1/completions ("api": "completions", the default) or of
+/v1/chat/completions ("chat"), validated with the aggregated server's request models; the chat
+template is applied by each worker (the same checkpoint: the identity check below).
 
 At its first contact with a CTX worker, GEN compares model, drafter and KV layout (pool shapes,
 dtypes, tokens_per_block) and refuses a mismatch with a 400 that names the difference.
@@ -31,7 +37,7 @@ from ...llmapi import LLM
 from ..._torch.runtime.llm_request import PrefilledKV
 from ..app import parse, read_json
 from ..errors import OpenAIError
-from ..protocol import CompletionRequest
+from ..protocol import GENERATION_APIS, ChatCompletionRequest, CompletionRequest
 from .transfer import KVTransferAgent, layout_of, pages_digest
 
 logger = logging.getLogger("tensorrt_llm")
@@ -62,6 +68,16 @@ def mismatch(mine: dict[str, Any], theirs: dict[str, Any], path: str = "") -> Op
     return None
 
 
+def parse_request(body: Any) -> CompletionRequest | ChatCompletionRequest:
+    """The worker payload's `request`, as the model of its `api` (400 naming a bad field)."""
+    if not isinstance(body, dict):
+        raise OpenAIError(f"request body must be a JSON object, got {type(body).__name__}", param="body")
+    api = body.get("api", "completions")
+    if api not in GENERATION_APIS:
+        raise OpenAIError(f"api must be one of {sorted(GENERATION_APIS)}, got {api!r}", param="api")
+    return parse(GENERATION_APIS[api], body.get("request"))
+
+
 class DisaggWorker:
     """One worker's disaggregated state: its NIXL agent, held CTX requests, known CTX peers."""
 
@@ -75,7 +91,7 @@ class DisaggWorker:
         self.hold_timeout_s, self.http_timeout_s = hold_timeout_s, http_timeout_s
         self.held: dict[int, float] = {}                 # CTX: request id -> monotonic time held since
         self.peers: dict[str, str] = {}                  # GEN: CTX url -> its agent name
-        self.transfers: deque[dict[str, Any]] = deque(maxlen=64)
+        self.transfers: deque[dict[str, Any]] = deque(maxlen=512)
         self._releaser = ThreadPoolExecutor(max_workers=2, thread_name_prefix="disagg-release")
 
     def info(self) -> dict[str, Any]:
@@ -84,7 +100,7 @@ class DisaggWorker:
     # ---- CTX ---------------------------------------------------------------------------
     async def context(self, body: dict[str, Any]) -> dict[str, Any]:
         serving = self.llm_serving
-        req = parse(CompletionRequest, body.get("request"))
+        req = parse_request(body)
         req = req.model_copy(update={"stream": False, "stream_options": None})
         ids, handle = serving.submit(req, context_only=True)
         try:
@@ -99,6 +115,7 @@ class DisaggWorker:
             raise OpenAIError(f"context phase failed: {c.error}", status=500, type_="server_error")
         if c.finish_reason == "context":
             self.held[out.request_id] = time.monotonic()
+            await asyncio.to_thread(self.agent.wait_device)     # the prefill's KV is written before GEN reads it
             pages = self.kv.request_pages(out.request_id)[:self.kv.pages_for(len(ids))]
             reply.update(out.disaggregated_params, pages=pages)
             if body.get("kv_digest"):
@@ -176,7 +193,7 @@ class DisaggWorker:
         agent = self.peers.get(ctx["url"])
         if agent is None or agent != ctx.get("agent_name"):     # first contact, or CTX restarted
             agent = await self.handshake(ctx["url"])
-        req = parse(CompletionRequest, body.get("request"))
+        req = parse_request(body)
         serving = self.llm_serving
         pre = self.prefilled(ctx, agent)
         if req.stream:

@@ -1,10 +1,12 @@
 """Disaggregated CTX/GEN serving on one CPU host: two worker processes + routers, KV over NIXL (UCX tcp).
 
 (a) the pulled pages of both pools are byte-identical to the CTX pages; (b) greedy outputs through the
-router (plain and streamed) equal aggregated `LLM.generate`; (c) the acceptance histogram on GEN equals
-the aggregated one at GEN batch 1 and 8, and a router that leaves the draft pool behind gives the same
-tokens with fewer accepted drafts (negative control); (d) GEN killed mid-request -> an error within the
-timeout and CTX frees the pages; a dead GEN -> the router releases the CTX pages itself.
+router (plain and streamed, completions and chat) equal aggregated `LLM.generate` (chat: on the
+chat-templated prompt), and the router refuses a bad chat body with the aggregated server's 400; (c)
+the acceptance histogram on GEN equals the aggregated one at GEN batch 1 and 8, and a router that
+leaves the draft pool behind gives the same tokens with fewer accepted drafts (negative control); (d)
+GEN killed mid-request -> an error within the timeout and CTX frees the pages; a dead GEN -> the router
+releases the CTX pages itself.
 
 Model: the tiny target of tests/unittest/tools/dspark_tiny.py with the MLA drafter trained on it
 (data/tiny_dspark_mla, see its README): AL ~1.4 on its prompts, so a missing draft pool shows. The
@@ -25,11 +27,15 @@ import pytest
 import yaml
 
 from tensorrt_llm import LLM, SamplingParams
+from tensorrt_llm.serve.app import parse
+from tensorrt_llm.serve.errors import OpenAIError
+from tensorrt_llm.serve.protocol import ChatCompletionRequest
 
 from server_proc import free_port, spawn_cli, wait_healthy
 
 pytest.importorskip("nixl")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from dspark_tiny import PROMPTS as TEXTS  # noqa: E402
 from dspark_tiny import build_tiny_target  # noqa: E402  (the drafter-training tests' tiny target)
 
 DATA = Path(__file__).resolve().parent / "data" / "tiny_dspark_mla"
@@ -138,6 +144,15 @@ def _complete(url: str, prompt: list[int], stream: bool = False, max_tokens: int
     return ids
 
 
+def _events(url: str, path: str, body: dict) -> list[dict]:
+    """The data chunks of a streamed reply (without [DONE])."""
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]", lines[-3:]
+    return [json.loads(ln) for ln in lines[:-1]]
+
+
 def _state(url: str) -> dict:
     return httpx.get(f"{url}/disagg/state", timeout=10).json()
 
@@ -178,6 +193,7 @@ def test_pages_byte_identical(cluster, aggregated):
     rec = [t for t in _state(cluster.gen)["transfers"] if t["ctx_request_id"] == ctx["ctx_request_id"]][-1]
     assert sorted(rec["digest"]) == ["draft", "target"]
     assert rec["digest"] == ctx["digest"]
+    assert sorted(rec["pool_bytes"]) == ["draft", "target"] and sum(rec["pool_bytes"].values()) == rec["bytes"]
     assert rec["bytes"] > 0 and len(rec["pages"]) == len(ctx["pages"]) == -(-len(prompt) // KV["tokens_per_block"])
     want = aggregated.generate(prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert g.json()["choices"][0]["token_ids"] == want.outputs[0].token_ids
@@ -190,6 +206,78 @@ def test_router_greedy_equals_aggregated(cluster, aggregated):
     url = cluster.routers["full"]
     assert [_complete(url, p) for p in prompts] == want
     assert [_complete(url, p, stream=True) for p in prompts] == want
+    _wait_idle(cluster.ctx)
+
+
+CHATS = [[{"role": "user", "content": TEXTS[5]}],
+         [{"role": "system", "content": TEXTS[3]}, {"role": "user", "content": TEXTS[1]}]]
+
+
+@pytest.mark.parametrize("max_tokens", [MAX_TOKENS, 1])        # 1: the request ends on CTX
+def test_router_chat_equals_aggregated(cluster, aggregated, max_tokens):
+    url = cluster.routers["full"]
+    for messages in CHATS:
+        ids = aggregated.tokenizer.encode(aggregated.apply_chat_template(messages))
+        want = aggregated.generate(ids, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        want_ids, want_text = want.outputs[0].token_ids, want.outputs[0].text
+        body = {"model": MODEL[0], "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True}
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert got["object"] == "chat.completion" and got["id"].startswith("chatcmpl-")
+        choice = got["choices"][0]
+        assert choice["message"] == {"role": "assistant", "content": want_text}
+        assert choice["token_ids"] == want_ids and got["prompt_token_ids"] == ids
+        assert choice["finish_reason"] == "length"
+        assert got["usage"] == {"prompt_tokens": len(ids), "completion_tokens": max_tokens,
+                                "total_tokens": len(ids) + max_tokens}
+        chunks = _events(url, "/v1/chat/completions",
+                         {**body, "stream": True, "stream_options": {"include_usage": True}})
+        assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and len({c["id"] for c in chunks}) == 1
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        steps = [c["choices"][0] for c in chunks if c["choices"]]
+        assert "".join(s["delta"].get("content", "") for s in steps) == want_text
+        assert [t for s in steps for t in s["token_ids"]] == want_ids
+        assert steps[-1]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == max_tokens
+    _wait_idle(cluster.ctx)
+
+
+def test_router_chat_refusals_and_model_card(cluster):
+    """The router refuses what the aggregated server refuses, with its 400 body; /v1/models and /tokenize
+    come from a worker."""
+    url = cluster.routers["full"]
+    ok = {"model": MODEL[0], "messages": CHATS[0], "max_tokens": 4}
+    params = []
+    for bad in ({**ok, "logprobs": True}, {**ok, "n": 2}, {**ok, "messages": []}, {**ok, "bogus": 1},
+                {**ok, "max_tokens": 4, "max_completion_tokens": 4}):
+        with pytest.raises(OpenAIError) as want:
+            parse(ChatCompletionRequest, bad)
+        r = httpx.post(f"{url}/v1/chat/completions", json=bad, timeout=30)
+        assert r.status_code == 400 and r.json() == want.value.body(), r.text
+        params.append(r.json()["error"]["param"])
+    assert params == ["logprobs", "n", "messages", "bogus", "max_completion_tokens"]
+    r = httpx.post(f"{url}/v1/chat/completions", json={**ok, "model": "other"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    card = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]
+    assert card["id"] == MODEL[0] and card["max_model_len"] > 0
+    tok = [httpx.post(f"{u}/tokenize", json={"messages": CHATS[0]}, timeout=30).json() for u in (url, cluster.ctx)]
+    assert tok[0] == tok[1] and tok[0]["count"] > 0
+    _wait_idle(cluster.ctx)
+
+
+def test_bench_client_through_router(cluster, tmp_path):
+    """`trtllm-bench --backend openai` (streamed chat) against the router: the model card and /tokenize come
+    from a worker; the router has no /metrics, so AL is left to the GEN workers' /metrics."""
+    from tensorrt_llm.bench import benchmark as bm
+    out = tmp_path / "bench.json"
+    before = _hist(cluster.gen)
+    assert bm.main(["--backend", "openai", "--base-url", cluster.routers["full"], "--num-requests", "4",
+                    "--concurrency", "2", "--max-tokens", "24", "--ignore-eos", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["results"][0]
+    assert row["failures"] == 0, row["first_error"]
+    assert row["output_tokens"] == 4 * 24 and row["acceptance_length"] is None
+    assert sum(_hist(cluster.gen)) - sum(before) > 0        # the GEN worker verified their drafts
     _wait_idle(cluster.ctx)
 
 
