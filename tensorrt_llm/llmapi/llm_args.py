@@ -12,7 +12,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-AttentionBackendName = Literal["AUTO", "VANILLA", "FLASHINFER", "TRITON"]   # resolver.KNOWN_BACKENDS + AUTO
+# resolver.KNOWN_BACKENDS + AUTO; CUTEDSL is a drafter's choice only (TorchLlmArgs.attn_backend refuses it)
+AttentionBackendName = Literal["AUTO", "VANILLA", "FLASHINFER", "TRITON", "CUTEDSL"]
 KvDtypeName = Literal["auto", "bfloat16", "float16", "float32", "fp8"]
 ModelDtypeName = Literal["auto", "bfloat16", "float16", "float32"]
 PathStr = Annotated[str, AfterValidator(os.path.expanduser)]     # a file or folder path; `~` expanded
@@ -67,7 +68,10 @@ class DSparkDecodingConfig(StrictBaseModel):
         description="Drafts verified per step; <= the trained block size (default: block size "
         "with shift_label, block size - 1 without).")
     attention_backend: AttentionBackendName = Field(
-        default="AUTO", description="Attention backend for the drafter.")
+        default="AUTO", description="Attention backend for the drafter. CUTEDSL: TRITON's paged attention with "
+        "the queries' and K / latent rows' RMSNorm + RoPE as the CuTe DSL kernel (CUDA sm90+, the 'cutedsl' "
+        "extra; a drafter with layer regions and half-rotation RoPE, else the load raises). AUTO does not "
+        "pick CUTEDSL.")
     mask_token_id: Optional[int] = Field(
         default=None, ge=0, description="Override of dspark_config.mask_token_id.")
     target_layer_ids: Optional[list[int]] = Field(
@@ -131,7 +135,8 @@ class TorchLlmArgs(StrictBaseModel):
     enable_chunked_prefill: bool = Field(
         default=True, description="Split long prompts over steps to respect max_num_tokens.")
     attn_backend: AttentionBackendName = Field(
-        default="AUTO", description="Attention backend of the target model.")
+        default="AUTO", description="Attention backend of the target model (CUTEDSL is a drafter backend: "
+        "speculative_config.attention_backend).")
     use_cuda_graph: bool = Field(
         default=False, description="Capture decode/verify steps in CUDA graphs (CUDA only). Every graph a "
         "step may replay (each batch bucket and verify width, each prompt-chunk token bucket up to 2048 tokens, "
@@ -178,6 +183,15 @@ class TorchLlmArgs(StrictBaseModel):
         "streaming work (detokenizing, hand-offs to the event loop, one SSE event per request per "
         "step) at high concurrency without delaying the first token. 1 streams every step. "
         "Non-streaming outputs are unaffected.")
+
+    @field_validator("attn_backend")
+    @classmethod
+    def _target_backend(cls, v: str) -> str:
+        if v == "CUTEDSL":
+            raise ValueError("attn_backend CUTEDSL is the DSpark drafter's norm + RoPE prep backend; set it as "
+                             "speculative_config.attention_backend (the target takes AUTO, VANILLA, FLASHINFER "
+                             "or TRITON)")
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> "TorchLlmArgs":

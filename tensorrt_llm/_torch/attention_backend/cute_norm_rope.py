@@ -150,5 +150,6 @@ def norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.
     kind = "none" if weight is None else ("shared" if weight.dim() == 1 else "per_head")
     fn = compiled_norm_rope(x.dtype, x.shape[1], width, norm_dim, cos.shape[1], apply_rmsnorm, kind)
     w = x[0, :1, :] if weight is None else (weight[None, :] if weight.dim() == 1 else weight)
-    fn(*(cute_tensor(a) for a in (x, w, cos, sin, dst)), float(eps), current_stream(x.device))
+    with torch.cuda.device(x.device):      # the DSL launches into the current device's context
+        fn(*(cute_tensor(a) for a in (x, w, cos, sin, dst)), float(eps), current_stream(x.device))
     return out

@@ -6,8 +6,11 @@ names what is missing). CUDA + GQA -> FLASHINFER -> VANILLA, degrading with a lo
 Every choice is checked against the backend's declared `capabilities` (device, dtype, fp8 KV).
 TRITON (plan-free, lengths on the device) is otherwise an explicit choice; a DSpark drafter under
 AUTO with CUDA graphs then switches to its device draft step's TRITON backend for every draft step
-(`DSparkWorker.enable_device_drafts`). An explicit choice that cannot run raises; an unknown name
-raises (listing the known ones).
+(`DSparkWorker.enable_device_drafts`). CUTEDSL (TRITON attention with the CuTe DSL norm + RoPE prep
+kernel, sm90+, nvidia-cutlass-dsl) is a drafter's explicit choice only: AUTO does not pick it where it
+could run, because TRITON already norms and rotates inside its append launch (one launch per layer
+against CUTEDSL's two or three) and CUTEDSL has no H200 measurement yet (`examples/gpu/attention_bench.py
+--norm-rope`). An explicit choice that cannot run raises; an unknown name raises (listing the known ones).
 """
 from __future__ import annotations
 
@@ -19,11 +22,12 @@ from typing import Callable
 
 import torch
 
+from .cute_norm_rope import MIN_SM, dsl_import_error
 from .interface import AttentionBackend
 
 logger = logging.getLogger("tensorrt_llm")
 
-KNOWN_BACKENDS = ("VANILLA", "FLASHINFER", "TRITON")   # every one has a loader in _LOADERS
+KNOWN_BACKENDS = ("VANILLA", "FLASHINFER", "TRITON", "CUTEDSL")   # every one has a loader in _LOADERS
 
 
 def _load_vanilla() -> type[AttentionBackend]:
@@ -41,6 +45,11 @@ def _load_triton() -> type[AttentionBackend]:
     return TritonAttention
 
 
+def _load_cutedsl() -> type[AttentionBackend]:
+    from .cute_dsl_backend import CuteDslAttention
+    return CuteDslAttention
+
+
 @dataclass(frozen=True)
 class Probe:
     """Environment facts the resolver decides on (mockable in tests)."""
@@ -50,9 +59,12 @@ class Probe:
     flashinfer_importable: bool
     flashinfer_error: str = ""
     triton_importable: bool = False
+    cute_dsl_importable: bool = False      # nvidia-cutlass-dsl (`cutlass.cute`); probed for CUTEDSL only
+    cute_dsl_error: str = ""
 
 
-def probe_environment(device: torch.device) -> Probe:
+def probe_environment(device: torch.device, cute_dsl: bool = False) -> Probe:
+    """The facts for `device`; cute_dsl: also import the CuTe DSL (a CUDA device's CUTEDSL request)."""
     sm = 0
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
@@ -62,7 +74,8 @@ def probe_environment(device: torch.device) -> Probe:
         ok, err = True, ""
     except Exception as e:  # ImportError or a broken install
         ok, err = False, f"{type(e).__name__}: {e}"
-    return Probe(device.type, sm, ok, err, importlib.util.find_spec("triton") is not None)
+    cute_err = dsl_import_error() if cute_dsl and device.type == "cuda" else "not probed"
+    return Probe(device.type, sm, ok, err, importlib.util.find_spec("triton") is not None, not cute_err, cute_err)
 
 
 def _why_unavailable(name: str, probe: Probe, mla: bool, dtype: torch.dtype) -> str:
@@ -76,8 +89,14 @@ def _why_unavailable(name: str, probe: Probe, mla: bool, dtype: torch.dtype) -> 
                    "install the 'gpu' extra: pip install 'tensorrt_llm[gpu]'"
         if mla and probe.sm < 80:
             return f"flashinfer MLA paged decode needs sm80+, device is sm{probe.sm}"
-    if name == "TRITON" and not probe.triton_importable:
+    if name in ("TRITON", "CUTEDSL") and not probe.triton_importable:
         return "triton is not importable (it ships with torch's CUDA wheels)"
+    if name == "CUTEDSL":
+        if probe.sm < MIN_SM:
+            return f"the CuTe DSL norm + RoPE kernel needs sm{MIN_SM}+ (Hopper), device is sm{probe.sm}"
+        if not probe.cute_dsl_importable:
+            return f"nvidia-cutlass-dsl is not importable ({probe.cute_dsl_error or 'not installed'}); install " \
+                   "the 'cutedsl' extra: pip install 'tensorrt_llm[cutedsl]'"
     try:
         dtypes = _LOADERS[name]().capabilities.dtypes
     except (ImportError, AttributeError):
@@ -89,7 +108,7 @@ def _why_unavailable(name: str, probe: Probe, mla: bool, dtype: torch.dtype) -> 
 
 
 _LOADERS: dict[str, Callable[[], type[AttentionBackend]]] = {
-    "VANILLA": _load_vanilla, "FLASHINFER": _load_flashinfer, "TRITON": _load_triton}
+    "VANILLA": _load_vanilla, "FLASHINFER": _load_flashinfer, "TRITON": _load_triton, "CUTEDSL": _load_cutedsl}
 
 
 @dataclass(frozen=True)
@@ -136,7 +155,8 @@ def resolve_name(requested: str, probe: Probe, mla: bool, dtype: torch.dtype, fp
 def create_backend(requested: str, device: torch.device, dtype: torch.dtype, mla: bool = False,
                    probe: Probe | None = None, fp8_kv: bool = False) -> tuple[AttentionBackend, Resolution]:
     """Resolve and instantiate for `dtype` activations; logs the choice and its reason."""
-    res = resolve_name(requested, probe or probe_environment(device), mla, dtype, fp8_kv)
+    res = resolve_name(requested, probe or probe_environment(device, cute_dsl=requested == "CUTEDSL"), mla, dtype,
+                       fp8_kv)
     try:
         cls = _LOADERS[res.name]()
     except (ImportError, KeyError, AttributeError) as e:

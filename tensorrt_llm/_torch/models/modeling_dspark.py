@@ -158,7 +158,8 @@ class DSparkForCausalLMBase(nn.Module, ABC):
         """Every layer's context projection (GQA k|v rows, MLA kv_a) and its norm weight, stacked."""
 
     def _write_all_layers(self, features: torch.Tensor, positions: torch.Tensor, pool: torch.Tensor,
-                          slot_mapping: torch.Tensor, r: DrafterRegions, slots_valid: bool) -> None:
+                          slot_mapping: torch.Tensor, r: DrafterRegions, slots_valid: bool,
+                          backend: AttentionBackend) -> None:
         """Every layer's context entries of features [N, H] into pool [L, pages, ...] at slot_mapping."""
         write_slots_layers(pool, self._context_all_layers(features, positions, r), slot_mapping,
                            all_valid=slots_valid)
@@ -275,7 +276,8 @@ class DSparkForCausalLMBase(nn.Module, ABC):
 
         features [N, H]; positions [N] absolute; slot_mapping [N] int64 (-1 skipped);
         kv_caches: one [num_pages, planes, heads, P, D] tensor per layer. The pool layout
-        is the interface's, shared by every backend, so `backend` is not consulted.
+        is the interface's, shared by every backend; `backend` is consulted only by an MLA drafter whose
+        pool's layers are one tensor: with `cute_norm_rope` its latents go through the CuTe DSL kernel.
         slots_valid: every slot is >= 0 (no host sync: the CUDA-graph draft step). K and V that are
         one buffer's halves (the regions') go in with one write. compiled=False: the eager regions
         where compiled ones are set (`_regions`).
@@ -286,7 +288,7 @@ class DSparkForCausalLMBase(nn.Module, ABC):
         if pool is not None:        # the pool's layers are one tensor: one projection, one write
             if not self._context_weights.current():     # a weight changed in place since use_regions
                 self._context_weights = self._stack_context_weights()
-            self._write_all_layers(features, positions, pool, slot_mapping, r, slots_valid)
+            self._write_all_layers(features, positions, pool, slot_mapping, r, slots_valid, backend)
             return
 
         def write(cache: torch.Tensor, plane: int, values: torch.Tensor) -> None:
@@ -487,9 +489,10 @@ class GQADSparkForCausalLM(DSparkForCausalLMBase):
         return ContextWeights.stack(ws, bs, [a.k_norm.weight for a in attns], attns[0].k_norm.eps)
 
     def _write_all_layers(self, features: torch.Tensor, positions: torch.Tensor, pool: torch.Tensor,
-                          slot_mapping: torch.Tensor, r: DrafterRegions, slots_valid: bool) -> None:
+                          slot_mapping: torch.Tensor, r: DrafterRegions, slots_valid: bool,
+                          backend: AttentionBackend) -> None:
         if not r.triton_context:
-            return super()._write_all_layers(features, positions, pool, slot_mapping, r, slots_valid)
+            return super()._write_all_layers(features, positions, pool, slot_mapping, r, slots_valid, backend)
         from .dspark_context_kernel import write_gqa_context
         cw = self._context_weights
         write_gqa_context(F.linear(features, cw.weight, cw.bias), cw.norm_weight, cw.eps, positions,
@@ -536,6 +539,19 @@ class MLADSparkForCausalLM(DSparkForCausalLMBase):
         attns = [layer.self_attn for layer in self.layers]
         return ContextWeights.stack([a.kv_a_proj_with_mqa.weight for a in attns], [None],
                                     [a.kv_a_layernorm.weight for a in attns], attns[0].kv_a_layernorm.eps)
+
+    def _write_all_layers(self, features: torch.Tensor, positions: torch.Tensor, pool: torch.Tensor,
+                          slot_mapping: torch.Tensor, r: DrafterRegions, slots_valid: bool,
+                          backend: AttentionBackend) -> None:
+        if not backend.capabilities.cute_norm_rope:
+            return super()._write_all_layers(features, positions, pool, slot_mapping, r, slots_valid, backend)
+        from ..attention_backend.cute_norm_rope import norm_rope
+        cw = self._context_weights
+        kv = F.linear(features, cw.weight).view(features.shape[0], cw.norm_weight.shape[0], -1)   # [N, L, R + r]
+        cos, sin = self.rotary.cos_sin(positions)
+        lat = norm_rope(kv, cos[:, 0], sin[:, 0], torch.empty_like(kv), norm_dim=self.config.kv_lora_rank,
+                        weight=cw.norm_weight, eps=cw.eps)       # each layer's kv_a_layernorm on its rows
+        write_slots_layers(pool, lat[:, :, None, None, :], slot_mapping, all_valid=slots_valid)
 
     def _context_all_layers(self, features: torch.Tensor, positions: torch.Tensor, r: DrafterRegions) -> torch.Tensor:
         cw = self._context_weights

@@ -106,19 +106,22 @@ class DSparkWorker(Drafter):
         (`draft_ahead`; after `bind`). With cuda_graphs it is captured per batch bucket with the
         TRITON backend; without, the same step runs directly with the worker's own backend. Either
         needs a backend that reads KV lengths on the device; without one drafting stays eager.
-        With cuda_graphs and `attention_backend: AUTO` the eager draft steps take TRITON as well."""
+        With cuda_graphs and `attention_backend: AUTO` the eager draft steps take TRITON as well; a
+        backend with `cute_norm_rope` (CUTEDSL, an explicit choice) runs the graphs itself."""
         from ..attention_backend.triton_backend import TritonAttention
         from .draft_graph_runner import DraftGraphRunner
         if self.kv is None:
             raise ValueError("bind() the worker to its KV manager before enabling device drafts")
         backend: Optional[AttentionBackend] = None
         if cuda_graphs:
-            ok, why = TritonAttention.availability(self.device)
+            own = self.backend.capabilities.cute_norm_rope     # CUTEDSL captures its prep kernel; others TRITON
+            graph_cls = type(self.backend) if own else TritonAttention
+            ok, why = graph_cls.availability(self.device)
             if ok:
                 dc = self.drafter.config
                 widths = (dc.kv_lora_rank, dc.qk_rope_head_dim) if dc.is_mla else (dc.head_dim, 0)
-                why = TritonAttention.shape_support(*widths, self.kv.tokens_per_block)
-            backend = TritonAttention() if ok and not why else None
+                why = graph_cls.shape_support(*widths, self.kv.tokens_per_block)
+            backend = (self.backend if own else TritonAttention()) if ok and not why else None
         elif self.backend.capabilities.device_lengths:
             backend, why = self.backend, ""
         else:
@@ -462,6 +465,13 @@ def create_dspark_worker(cfg: DSparkDecodingConfig, target: torch.nn.Module, dty
                          f"{n_layers} layers")
     drafter.bind_target(target.model.embed_tokens, target.lm_head)
     backend, res = create_backend(cfg.attention_backend, device, dtype, mla=drafter.config.is_mla)
+    if backend.capabilities.cute_norm_rope:      # its prep kernel must run on every layer: no unfused path
+        unfused = [i for i, layer in enumerate(drafter.layers) if not layer.fuses_rope_append(backend)]
+        if unfused:
+            raise ValueError(f"attention backend {res.name} norms and rotates the drafter's q / k (latents) in its "
+                             f"CuTe DSL kernel, but layers {unfused} of {cfg.speculative_model} cannot hand them "
+                             "over unrotated (that needs layer regions, i.e. no quant_config, half-rotation RoPE, "
+                             "GQA q / k norms over the whole head or absorbed MLA with power-of-two widths)")
     h = hashlib.sha256(str(Path(cfg.speculative_model).resolve()).encode())
     for f in sorted(Path(cfg.speculative_model).glob("*.safetensors")):
         h.update(str(f.stat().st_size).encode() + str(f.stat().st_mtime_ns).encode())

@@ -40,13 +40,20 @@ def test_invalid_values_raise(kwargs):
         TorchLlmArgs(model="m", **kwargs)
 
 
-@pytest.mark.parametrize("name", ["TRTLLM", "CUTEDSL", "FAST"])
+@pytest.mark.parametrize("name", ["TRTLLM", "FAST"])
 def test_unknown_attention_backend_names_the_known_ones(name):
-    known = r"'AUTO', 'VANILLA', 'FLASHINFER' or 'TRITON'"
+    known = r"'AUTO', 'VANILLA', 'FLASHINFER', 'TRITON' or 'CUTEDSL'"
     with pytest.raises(ValidationError, match=rf"(?s)attn_backend.*{known}"):
         TorchLlmArgs(model="m", attn_backend=name)
     with pytest.raises(ValidationError, match=rf"(?s)attention_backend.*{known}"):
         DSparkDecodingConfig(speculative_model="d", attention_backend=name)
+
+
+def test_cutedsl_is_a_drafter_backend_only():
+    assert DSparkDecodingConfig(speculative_model="d", attention_backend="CUTEDSL").attention_backend == "CUTEDSL"
+    with pytest.raises(ValidationError, match=r"(?s)attn_backend CUTEDSL is the DSpark drafter's norm \+ RoPE prep "
+                                              r"backend; set it as speculative_config.attention_backend"):
+        TorchLlmArgs(model="m", attn_backend="CUTEDSL")
 
 
 def test_attention_backend_names_match_the_resolver():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
@@ -46,15 +47,52 @@ def test_unknown_name_raises():
 
 
 def test_names_without_kernels_are_unknown():
-    # TRTLLM / CUTEDSL kernels are not in this package: the names are refused like any unknown
-    # one, and the message lists the names that can load.
-    for name in ("TRTLLM", "CUTEDSL"):
-        for probe in (H100, B200):
-            with pytest.raises(ValueError, match=rf"unknown attention backend '{name}'; "
-                                                 r"known: AUTO, VANILLA, FLASHINFER, TRITON$"):
-                resolve_name(name, probe, mla=False, dtype=torch.bfloat16)
+    # TRTLLM kernels are not in this package: the name is refused like any unknown one, and the message
+    # lists the names that can load.
+    for probe in (H100, B200):
+        with pytest.raises(ValueError, match=r"unknown attention backend 'TRTLLM'; "
+                                             r"known: AUTO, VANILLA, FLASHINFER, TRITON, CUTEDSL$"):
+            resolve_name("TRTLLM", probe, mla=False, dtype=torch.bfloat16)
     assert resolve_name("VANILLA", H100, mla=False, dtype=torch.bfloat16).name == "VANILLA"
     assert resolve_name("FLASHINFER", H100, mla=True, dtype=torch.bfloat16).name == "FLASHINFER"
+
+
+HOPPER_CUTE = Probe(device_type="cuda", sm=90, flashinfer_importable=True, triton_importable=True,
+                    cute_dsl_importable=True)
+
+
+def test_cutedsl_is_an_explicit_choice_where_its_predicate_holds():
+    for mla in (False, True):
+        res = resolve_name("CUTEDSL", HOPPER_CUTE, mla=mla, dtype=torch.bfloat16)
+        assert res.name == "CUTEDSL" and res.reason == "explicit choice"
+        # AUTO keeps its list where CUTEDSL could run (TRITON norms and rotates inside its append already)
+        assert resolve_name("AUTO", HOPPER_CUTE, mla=mla, dtype=torch.bfloat16).name == "FLASHINFER"
+    assert resolve_name("CUTEDSL", replace(HOPPER_CUTE, sm=100), mla=True, dtype=torch.bfloat16).name == "CUTEDSL"
+
+
+@pytest.mark.parametrize("probe,message", [
+    (CPU, r"CUTEDSL cannot run: CUTEDSL needs a CUDA device \(device is cpu\)"),
+    (replace(HOPPER_CUTE, sm=80), r"CUTEDSL cannot run: the CuTe DSL norm \+ RoPE kernel needs sm90\+ \(Hopper\), "
+                                  r"device is sm80"),
+    (replace(HOPPER_CUTE, cute_dsl_importable=False, cute_dsl_error="ModuleNotFoundError: No module named 'cutlass'"),
+     r"CUTEDSL cannot run: nvidia-cutlass-dsl is not importable \(ModuleNotFoundError: No module named 'cutlass'\); "
+     r"install the 'cutedsl' extra"),
+    (replace(HOPPER_CUTE, triton_importable=False), "CUTEDSL cannot run: triton is not importable"),
+])
+def test_explicit_cutedsl_that_cannot_run_raises(probe, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_name("CUTEDSL", probe, mla=False, dtype=torch.bfloat16)
+
+
+def test_explicit_cutedsl_on_cpu_raises_through_create_backend():
+    with pytest.raises(ValueError, match=r"CUTEDSL cannot run: CUTEDSL needs a CUDA device \(device is cpu\)"):
+        create_backend("CUTEDSL", torch.device("cpu"), torch.bfloat16, mla=True)
+    assert create_backend("AUTO", torch.device("cpu"), torch.bfloat16, mla=True)[1].name == "VANILLA"
+
+
+def test_the_cpu_probe_does_not_import_the_cute_dsl():
+    probe = resolver.probe_environment(torch.device("cpu"), cute_dsl=True)
+    assert not probe.cute_dsl_importable and probe.cute_dsl_error == "not probed"
 
 
 def test_triton_is_explicit_only():
