@@ -13,10 +13,20 @@ kernel alone (no K/V append) under every LaunchConfig (rows per program 16 / 32 
 CUDA-event time of a CUDA graph of 20 calls (so launch cost is excluded), median of 5 replays;
 FLASHINFER's plan is made once outside the timing, and its host plan time per call is reported
 separately. Prints a table; --json writes it.
+--norm-rope (instead of the attention shapes): the CuTe DSL norm + RoPE prep kernel (`cute_norm_rope`, the
+CUTEDSL drafter backend's; needs nvidia-cutlass-dsl) against its torch path (`norm_rope_reference`) on the
+drafter's rows at --batch requests (8 block queries each; 9 committed context tokens each for the context
+rows): GQA q heads (16 x 64, read in place from the q|k|v buffer), MLA query rope parts (16 x 64, written at
+column 512 of the 576-wide query), MLA block latents (576: 512 normed + 64 rope) and the MLA context
+latents of 5 layers (one norm weight per layer). One JSON line per shape and batch: "graph_us" (a CUDA
+graph of 20 calls, median of 5 replays: device time) and "eager_us" (wall time per call of 200 eager calls:
+with the host's launch cost, what an eager draft step pays), for "cute" and "torch", and the max abs
+difference of the two outputs.
 
     . examples/gpu/device_setup.sh && python3 examples/gpu/attention_bench.py --batch 1 16 64 --ctx 256 512 \
         --splits 1 2 4 8 16 --json $OUT/attn.json
     python3 examples/gpu/attention_bench.py --batch 16 64 --ctx 256 512 --splits --configs --json $OUT/cfg.json
+    python3 examples/gpu/attention_bench.py --norm-rope --json $OUT/norm_rope.json
 """
 from __future__ import annotations
 
@@ -28,6 +38,7 @@ import time
 
 import torch
 
+from tensorrt_llm._torch.attention_backend.cute_norm_rope import norm_rope, norm_rope_reference
 from tensorrt_llm._torch.attention_backend.flashinfer_backend import FlashInferAttention
 from tensorrt_llm._torch.attention_backend.interface import AttentionMetadata
 from tensorrt_llm._torch.attention_backend.triton_backend import TritonAttention
@@ -138,6 +149,46 @@ def _linear_case(n: int, k: int, tokens: int, dev: torch.device) -> dict:
     return {"bf16_us": round(_graph_us(lambda: lin(x)), 2), "fp8_reference_us": round(_graph_us(lambda: fp8(x)), 2)}
 
 
+# name: (rows per request, heads, heads in the input buffer, width, norm_dim, rope_dim, apply_rmsnorm,
+#        weight: None | "shared" | "per_head", output width, out_offset)
+NORM_ROPE_SHAPES = {
+    "gqa_q_heads": (8, 16, 48, 64, 64, 64, True, "shared", 64, 0),
+    "mla_q_rope": (8, 16, 16, 64, 0, 64, False, None, 576, 512),
+    "mla_block_latent": (8, 1, 1, 576, 512, 64, True, "shared", 576, 0),
+    "mla_context_5_layers": (9, 5, 5, 576, 512, 64, True, "per_head", 576, 0),
+}
+
+
+def _eager_us(fn, calls: int = 200) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e6 / calls
+
+
+def _norm_rope_case(name: str, batch: int, dev: torch.device) -> dict:
+    per_req, heads, buf_heads, width, norm_dim, rope_dim, apply, wkind, out_w, off = NORM_ROPE_SHAPES[name]
+    t = batch * per_req
+    x = torch.randn(t, buf_heads, width, device=dev, dtype=torch.bfloat16)[:, :heads]
+    w = None if wkind is None else torch.randn((norm_dim,) if wkind == "shared" else (heads, norm_dim), device=dev,
+                                               dtype=torch.bfloat16)
+    cos, sin = (torch.randn(t, rope_dim, device=dev) for _ in range(2))
+    out = torch.empty(t, heads, out_w, device=dev, dtype=torch.bfloat16)
+    kw = dict(norm_dim=norm_dim, weight=w, eps=1e-6, apply_rmsnorm=apply)
+    cute = lambda: norm_rope(x, cos, sin, out, out_offset=off, **kw)                                # noqa: E731
+    ref = lambda: out[..., off:off + width].copy_(norm_rope_reference(x, cos, sin, norm_dim, w, 1e-6, apply))  # noqa
+    cute()
+    got = out[..., off:off + width].clone()
+    diff = (got.float() - norm_rope_reference(x, cos, sin, norm_dim, w, 1e-6, apply).float()).abs().max().item()
+    return {"shape": name, "batch": batch, "rows": t * heads, "width": width,
+            "cute": {"graph_us": round(_graph_us(cute), 2), "eager_us": round(_eager_us(cute), 2)},
+            "torch": {"graph_us": round(_graph_us(ref), 2), "eager_us": round(_eager_us(ref), 2)},
+            "max_abs_diff": diff}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
@@ -146,11 +197,16 @@ def main() -> None:
     ap.add_argument("--flashinfer", action="store_true", help="also time FLASHINFER (JIT-compiles on a fresh machine)")
     ap.add_argument("--linear", action="store_true", help="also time the FP8 block linear against bf16")
     ap.add_argument("--configs", action="store_true", help="also sweep the kernel's LaunchConfig (module doc)")
+    ap.add_argument("--norm-rope", action="store_true", help="time the CuTe DSL norm + RoPE prep (module doc) only")
     ap.add_argument("--json")
     a = ap.parse_args()
     dev = torch.device("cuda")
     rows = []
-    for name in SHAPES:
+    for name in NORM_ROPE_SHAPES if a.norm_rope else ():
+        for b in a.batch:
+            rows.append(_norm_rope_case(name, b, dev))
+            print(json.dumps(rows[-1]), flush=True)
+    for name in SHAPES if not a.norm_rope else ():
         for b in a.batch:
             for ctx in a.ctx:
                 r = {"shape": name, "batch": b, "ctx": ctx, **_case(name, b, ctx, dev, a.splits, a.flashinfer)}
