@@ -23,10 +23,11 @@ out's dtype.
     out [T, H, W_out]        x's dtype, any token / head strides, contiguous columns; out_offset + W <= W_out
 
 The kernel: one warp per row, 4 rows per CTA; lanes stride the columns (coalesced), the statistic is
-a warp butterfly reduction, a rope column loads its partner column itself. It is compiled once per
-(dtype, H, W, norm_dim, R, apply_rmsnorm, weight kind) and cached; token count, strides and pointers
-are runtime values. The GPU arch is the device's (the DSL asks the driver). `cute_dsl_unavailable`
-is the support predicate, checked before any numeric work: on CUDA without it `norm_rope` raises.
+a warp butterfly reduction, a rope column loads its partner column itself (so out must not overlap x).
+It lives in `cute_norm_rope_kernel` (imported only where the DSL is), compiled once per (device, dtype,
+H, W, norm_dim, R, apply_rmsnorm, weight kind) and cached; token count, strides and pointers are
+runtime values. The GPU arch is the device's (the DSL asks the driver). `cute_dsl_unavailable` is the
+support predicate, checked before any numeric work: on CUDA without it `norm_rope` raises.
 """
 from __future__ import annotations
 
@@ -111,6 +112,18 @@ def check_norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: 
     devices = {a.device for a in (x, cos, sin, out) + (() if weight is None else (weight,))}
     if len(devices) != 1:
         raise ValueError(f"x, cos, sin, weight and out must be on one device, got {sorted(map(str, devices))}")
+    (x0, x1), (o0, o1) = _span(x), _span(out[:, :, out_offset:out_offset + width])
+    if x0 < o1 and o0 < x1:
+        raise ValueError("out's columns out_offset .. out_offset + W overlap x (a row's rope columns read their "
+                         "partner columns while the row is written)")
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The byte range [first, last + 1) that t's elements occupy (empty for no elements)."""
+    if t.numel() == 0 or t.device.type == "meta":
+        return 0, 0
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
 
 
 def norm_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm_dim: int,
@@ -146,10 +159,8 @@ def norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.
         raise ValueError(why)
     if x.shape[0] == 0:
         return out
-    from .cute_norm_rope_kernel import compiled_norm_rope, cute_tensor, current_stream
+    from .cute_norm_rope_kernel import launch_norm_rope
     kind = "none" if weight is None else ("shared" if weight.dim() == 1 else "per_head")
-    fn = compiled_norm_rope(x.dtype, x.shape[1], width, norm_dim, cos.shape[1], apply_rmsnorm, kind)
     w = x[0, :1, :] if weight is None else (weight[None, :] if weight.dim() == 1 else weight)
-    with torch.cuda.device(x.device):      # the DSL launches into the current device's context
-        fn(*(cute_tensor(a) for a in (x, w, cos, sin, dst)), float(eps), current_stream(x.device))
+    launch_norm_rope(x, w, cos, sin, dst, eps, norm_dim, apply_rmsnorm, kind)
     return out

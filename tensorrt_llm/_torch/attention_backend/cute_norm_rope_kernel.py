@@ -6,6 +6,7 @@ consecutive elements per load: coalesced); the statistic is a warp butterfly red
 loads its half-rotation partner column itself (normed again where it lies in the first norm_dim
 columns), so no shared memory and no barrier. Compiled once per signature (`compiled_norm_rope`).
 """
+import contextlib
 import functools
 
 import cutlass
@@ -24,26 +25,37 @@ def cute_tensor(t: torch.Tensor) -> cute.Tensor:
     return from_dlpack(t, assumed_align=t.element_size()).mark_layout_dynamic(leading_dim=t.dim() - 1)
 
 
-def current_stream(device: torch.device) -> driver.CUstream:
-    """torch's current stream on `device` (a CUDA graph's capture stream while one is captured)."""
-    return driver.CUstream(torch.cuda.current_stream(device).cuda_stream)
+def launch_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor,
+                     eps: float, norm_dim: int, apply_rmsnorm: bool, weight_kind: str) -> None:
+    """One launch on torch's current stream of x's device (a CUDA graph's capture stream while one is
+    captured): x [T, H, W], weight [1 or H, norm_dim] (any 2-d tensor for weight_kind "none": not read),
+    cos / sin [T, R], out [T, H, W] (the destination columns), all checked by `cute_norm_rope`."""
+    fn = compiled_norm_rope(str(x.device), x.dtype, x.shape[1], x.shape[2], norm_dim, cos.shape[1], apply_rmsnorm,
+                            weight_kind)
+    with torch.cuda.device(x.device):      # the DSL launches into the current device's context
+        fn(*(cute_tensor(a) for a in (x, weight, cos, sin, out)), F32(eps),
+           driver.CUstream(torch.cuda.current_stream(x.device).cuda_stream))
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_norm_rope(dtype: torch.dtype, heads: int, width: int, norm_dim: int, rope_dim: int, apply_rmsnorm: bool,
-                       weight_kind: str):
-    """The kernel compiled for one signature, cached for the process: dtype, H, W, norm_dim, rope_dim,
+def compiled_norm_rope(device: str, dtype: torch.dtype, heads: int, width: int, norm_dim: int, rope_dim: int,
+                       apply_rmsnorm: bool, weight_kind: str):
+    """The kernel compiled for one signature, cached for the process: device ("cuda:N"; "cpu" for a compile
+    check without a GPU: the tensors' address space differs), dtype, H, W, norm_dim, rope_dim,
     apply_rmsnorm and weight_kind ("none" | "shared" [1, norm_dim] | "per_head" [H, norm_dim]). Compiled
-    for the current device's arch as the DSL detects it (its `CUTE_DSL_ARCH` where no GPU is present: a
-    CPU test). The result takes (x, weight, cos, sin, out as `cute_tensor`s, eps, stream); token count,
-    strides and pointers are runtime values (the example tensors below only carry dtypes and ranks)."""
+    for the device's arch as the DSL detects it (its `CUTE_DSL_ARCH` where no GPU is present: a CPU
+    test). The result takes (x, weight, cos, sin, out as `cute_tensor`s, eps, stream); token count,
+    strides and pointers are runtime values (the example tensors below only carry dtypes, ranks and the
+    address space)."""
     launch = _build_launch(heads, width, norm_dim, rope_dim, apply_rmsnorm, weight_kind)
-    x = torch.empty(2, heads, width, dtype=dtype)
+    dev = torch.device(device)
+    x = torch.empty(2, heads, width, dtype=dtype, device=dev)
     w = torch.empty(heads if weight_kind == "per_head" else 1, norm_dim if weight_kind != "none" else width,
-                    dtype=dtype)
-    tab = torch.empty(2, rope_dim, dtype=torch.float32)
-    return cute.compile(launch, *(cute_tensor(a) for a in (x, w, tab, tab.clone(), x.clone())), F32(1e-6),
-                        driver.CUstream(0))
+                    dtype=dtype, device=dev)
+    tab = torch.empty(2, rope_dim, dtype=torch.float32, device=dev)
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        return cute.compile(launch, *(cute_tensor(a) for a in (x, w, tab, tab.clone(), x.clone())), F32(1e-6),
+                            driver.CUstream(0))
 
 
 def _build_launch(heads: int, width: int, norm_dim: int, rope_dim: int, apply_rmsnorm: bool, weight_kind: str):

@@ -142,12 +142,14 @@ BAD = [
     (dict(out_offset=1), r"out_offset 1 \+ width 24 overflows out's 24 columns"),
     (dict(out_offset=-1), r"out_offset -1 \+ width 24 overflows out's 24 columns"),
     (dict(out=torch.empty(3, 2, 24, device="meta")), r"must be on one device, got \['cpu', 'meta'\]"),
+    ("in_place", r"out's columns out_offset .. out_offset \+ W overlap x"),
 ]
 
 
 @pytest.mark.parametrize("change,message", BAD)
 def test_validation_messages(change, message):
-    args = {**_valid(), **change}
+    args = _valid()
+    args.update({"out": args["x"]} if change == "in_place" else change)
     with pytest.raises(ValueError, match=message):
         check_norm_rope(**args)
     with pytest.raises(ValueError, match=message):
@@ -171,7 +173,7 @@ COMPILE = """
 import json, sys, torch
 from tensorrt_llm._torch.attention_backend.cute_norm_rope_kernel import compiled_norm_rope
 for s in json.loads(sys.argv[1]):
-    f = compiled_norm_rope(getattr(torch, s[0]), *s[1:])
+    f = compiled_norm_rope("cpu", getattr(torch, s[0]), *s[1:])
     print(type(f).__name__)
 """
 
