@@ -7,8 +7,9 @@ k; MLA: the query's rope part, the block's latents and the context latents of al
 control: a prep one normed column short lands beyond 1e-2. CPU: the prep's torch reference and Triton's
 interpreter (the wiring); GPU (H200): the kernel, the step captured in a CUDA graph, float32 (drafts
 equal) and bfloat16 (writes within 2e-2 norm-relative, drafts equal up to a near tie, as
-`test_dspark_regions`). Refusals: an explicit CUTEDSL on the CPU through `LLM`; a drafter whose layers
-cannot hand their inputs over unrotated (interleaved RoPE) at load.
+`test_dspark_regions`); the engine with CUDA graphs (TRITON target) keeps CUTEDSL for its draft graphs
+and its greedy output equals no-spec's. Refusals: an explicit CUTEDSL on the CPU through `LLM`; a drafter
+whose layers cannot hand their inputs over unrotated (interleaved RoPE) at load.
 """
 from __future__ import annotations
 
@@ -104,3 +105,30 @@ def test_drafter_that_cannot_hand_over_unrotated_inputs_is_refused(make_llm, tin
                                                        "attention_backend": "CUTEDSL"})
     assert llm.capacity_report["attention_backend"]["draft"]["name"] == "CUTEDSL"
     assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))[0].outputs[0].token_ids
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_engine_with_a_cutedsl_drafter_is_lossless_in_graphs(llama64_dir, tmp_path_factory, kind):
+    """The engine on the H200: a drafter at the shipped widths (GQA 2 KV heads x 64; MLA 512 + 64) on CUTEDSL
+    with CUDA graphs keeps its backend for the draft graphs (the kernel captured there and in the one-graph
+    step), and greedy output equals the no-spec graph engine's token for token."""
+    from tensorrt_llm import LLM
+    from tensorrt_llm._torch.attention_backend.cute_norm_rope_kernel import compiled_norm_rope
+    from tests.unittest._torch.speculative.test_draft_graph import PROMPTS
+    from tests.unittest._torch.speculative.test_draft_graph import _drafter as graph_drafter
+    drafter = graph_drafter(tmp_path_factory, llama64_dir, kind)
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (40, 17, 29, 8, 33, 21)]
+    common = dict(device="cuda", attn_backend="TRITON", max_batch_size=4, use_cuda_graph=True,
+                  kv_cache_config={"max_tokens": 8192, "tokens_per_block": 16})
+    with LLM(str(llama64_dir), **common) as llm:
+        baseline = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    spec = {**dspark_spec(str(drafter)), "attention_backend": "CUTEDSL"}
+    with LLM(str(llama64_dir), speculative_config=spec, **common) as llm:
+        assert llm.capacity_report["attention_backend"]["draft"]["name"] == "CUTEDSL"
+        worker = llm._executor.drafter
+        assert isinstance(worker.backend, CuteDslAttention) and worker.graph_runner.backend is worker.backend
+        toks = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        stats = llm.get_stats()["speculative"]
+    assert toks == baseline
+    assert stats["draft_tokens"] > 0 and compiled_norm_rope.cache_info().currsize > 0
