@@ -76,8 +76,6 @@ def check_norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: 
         raise ValueError(f"x dtype must be one of {[str(d) for d in SUPPORTED_DTYPES]}, got {x.dtype}")
     if width < 1 or (x.numel() and x.stride(2) != 1):
         raise ValueError(f"x must have contiguous columns (stride 1), got strides {x.stride()}")
-    if min(x.stride()) < 0:
-        raise ValueError(f"x row strides must be >= 0, got {x.stride()}")
     if not 0 <= norm_dim <= width:
         raise ValueError(f"norm_dim must be in [0, {width}] (x's width), got {norm_dim}")
     if apply_rmsnorm and norm_dim == 0:
@@ -105,10 +103,13 @@ def check_norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: 
         raise ValueError(f"out must be [{t_n}, {heads}, W_out], got shape {tuple(out.shape)}")
     if out.dtype != x.dtype:
         raise ValueError(f"out dtype must be x's ({x.dtype}), got {out.dtype}")
-    if out.numel() and (out.stride(2) != 1 or min(out.stride()) < 0):
-        raise ValueError(f"out must have contiguous columns (stride 1) and strides >= 0, got {out.stride()}")
+    if out.numel() and out.stride(2) != 1:
+        raise ValueError(f"out must have contiguous columns (stride 1), got strides {out.stride()}")
     if out_offset < 0 or out_offset + width > out.shape[2]:
         raise ValueError(f"out_offset {out_offset} + width {width} overflows out's {out.shape[2]} columns")
+    if not _rows_disjoint(out, width):
+        raise ValueError(f"out's (token, head) rows overlap: token / head strides {out.stride()[:2]} for {width} "
+                         "written columns (each row needs its own columns)")
     devices = {a.device for a in (x, cos, sin, out) + (() if weight is None else (weight,))}
     if len(devices) != 1:
         raise ValueError(f"x, cos, sin, weight and out must be on one device, got {sorted(map(str, devices))}")
@@ -116,6 +117,17 @@ def check_norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: 
     if x0 < o1 and o0 < x1:
         raise ValueError("out's columns out_offset .. out_offset + W overlap x (a row's rope columns read their "
                          "partner columns while the row is written)")
+
+
+def _rows_disjoint(out: torch.Tensor, width: int) -> bool:
+    """No two (token, head) rows of `width` columns share an element: over the token and head modes of
+    more than one row, in increasing stride, each stride clears the extent of the modes below it."""
+    extent = width
+    for stride, size in sorted((out.stride(d), out.shape[d]) for d in (0, 1) if out.shape[d] > 1):
+        if stride < extent:
+            return False
+        extent = stride * size
+    return True
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:

@@ -143,6 +143,10 @@ BAD = [
     (dict(out_offset=-1), r"out_offset -1 \+ width 24 overflows out's 24 columns"),
     (dict(out=torch.empty(3, 2, 24, device="meta")), r"must be on one device, got \['cpu', 'meta'\]"),
     ("in_place", r"out's columns out_offset .. out_offset \+ W overlap x"),
+    (dict(out=torch.empty(3, 1, 24).expand(3, 2, 24)), r"out's \(token, head\) rows overlap: token / head strides "
+                                                       r"\(24, 0\) for 24 written columns"),
+    (dict(out=torch.empty(3 * 2 * 24 + 8).as_strided((3, 2, 24), (40, 20, 1))), r"out's \(token, head\) rows "
+                                                                               r"overlap"),
 ]
 
 
@@ -158,6 +162,8 @@ def test_validation_messages(change, message):
 
 def test_valid_arguments_pass():
     check_norm_rope(**_valid())
+    for out, offset in ((torch.empty(2, 3, 24).transpose(0, 1), 0), (torch.empty(3, 2, 30), 6)):
+        check_norm_rope(**{**_valid(), "out": out, "out_offset": offset})     # permuted rows; wider rows
 
 
 def test_support_predicate_refuses_the_cpu():
