@@ -128,7 +128,10 @@ def engine_args(arm: str, a: argparse.Namespace) -> dict[str, Any]:
     return {**args, **a.engine_yaml}
 
 
-def start_server(model: str, name: str, args: dict, folder: Path, timeout: float = 600.0):
+def start_server(model: str, name: str, args: dict, folder: Path, timeout: float = 600.0,
+                 extra_argv: Sequence[str] = ()):
+    """`trtllm-serve MODEL` (args as its --config YAML, `extra_argv` appended, e.g. a --server_role) in
+    `folder`; returns (process, base URL) once /health answers."""
     cfg = folder / "serve.yaml"
     cfg.write_text(yaml.safe_dump(args))
     port = free_port()
@@ -137,7 +140,8 @@ def start_server(model: str, name: str, args: dict, folder: Path, timeout: float
            "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.Popen([sys.executable, "-m", "tensorrt_llm.serve.cli", model, "--config", str(cfg),
                              "--served_model_name", name, "--host", "127.0.0.1", "--port", str(port),
-                             "--log_level", "warning"], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+                             "--log_level", "warning", *extra_argv], stdout=log, stderr=subprocess.STDOUT, env=env,
+                            cwd=REPO_ROOT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
