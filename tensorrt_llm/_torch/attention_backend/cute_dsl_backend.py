@@ -13,8 +13,9 @@ with `fused_rope_append`)::
 An MLA drafter's context latents of all layers (the stacked pool) go through the same kernel with the
 layers' norm weights per row (`MLADSparkForCausalLM`). The append, its refusal counter, the device
 lengths and the graph support are TRITON's (this class is a `TritonAttention`). The TRITON backend
-does the norms and rotations inside its append launch instead (`triton_rope_append`), so this is one
-launch (GQA: two) more per layer; AUTO keeps TRITON / FLASHINFER (`resolver`).
+does the norms and rotations inside its append launch instead (`triton_rope_append`): one launch per layer
+where this backend makes three (GQA: q, k, the append) or four (MLA: the q_lat copy, q's rope part, the
+latent, the append); AUTO keeps TRITON / FLASHINFER (`resolver`).
 """
 from __future__ import annotations
 
