@@ -157,6 +157,7 @@ def transfer_summary(records: list[dict]) -> dict[str, Any]:
     pools = sorted({n for r in records for n in r["pool_bytes"]})
     out: dict[str, Any] = {"requests": len(records),
                            "pages_per_request": statistics.mean(len(r["pages"]) for r in records),
+                           "descriptors_per_request": statistics.mean(r.get("descriptors", 0) for r in records),
                            "bytes_per_request": {n: statistics.mean(r["pool_bytes"].get(n, 0) for r in records)
                                                  for n in pools},
                            "bytes_per_page": {n: max(r["pool_bytes"].get(n, 0) / len(r["pages"]) for r in records

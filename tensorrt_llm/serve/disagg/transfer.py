@@ -2,9 +2,10 @@
 
 Each worker registers its KV pools (`KVCacheManager.pools`: {"target", "draft"} tensors
 [L, num_pages, planes, heads, P, D]) with one NIXL agent. Page `p` of layer `l` is one contiguous
-run of `page_bytes` at `base + (l * num_pages + p) * page_bytes`, so a request's blocks are
-L x n descriptors per pool. The GEN worker READs the CTX worker's pages into its own pages (both
-pools, each at its own dtype); CTX only has to keep them until GEN says it has them.
+run of `page_bytes` at `base + (l * num_pages + p) * page_bytes`, so a request's blocks are at most
+L x n descriptors per pool (pages consecutive on both sides share one descriptor per layer). The
+GEN worker READs the CTX worker's pages into its own pages (both pools, each at its own dtype); CTX
+only has to keep them until GEN says it has them.
 
 On a CPU host NIXL moves DRAM to DRAM through UCX, which needs the TCP transport: the agent sets
 `UCX_TLS=tcp,self,sm` in the process environment (unless the operator set UCX_TLS) before UCX
@@ -57,14 +58,25 @@ class PoolInfo:
         return cls(t.data_ptr(), t.shape[0], t.shape[1], page.numel() * page.element_size(),
                    tuple(page.shape), str(t.dtype).replace("torch.", ""))
 
-    def descs(self, pages: Sequence[int], dev_id: int) -> np.ndarray:
-        """[L * n, 3] (addr, len, devId) of `pages` in every layer, layer-major."""
-        p = np.asarray(pages, dtype=np.int64)
+    def descs(self, starts: np.ndarray, lengths: np.ndarray, dev_id: int) -> np.ndarray:
+        """[L * n, 3] (addr, len, devId) of n runs of consecutive pages (first page, page count) in every
+        layer, layer-major."""
         layers = np.arange(self.num_layers, dtype=np.int64)[:, None]
-        addr = self.addr + (layers * self.num_pages + p[None, :]) * self.page_bytes
+        addr = self.addr + (layers * self.num_pages + starts[None, :]) * self.page_bytes
         out = np.empty((addr.size, 3), dtype=np.int64)
-        out[:, 0], out[:, 1], out[:, 2] = addr.reshape(-1), self.page_bytes, dev_id
+        out[:, 0], out[:, 2] = addr.reshape(-1), dev_id
+        out[:, 1] = np.broadcast_to(lengths[None, :] * self.page_bytes, addr.shape).reshape(-1)
         return out
+
+
+def page_runs(local: Sequence[int], remote: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Maximal runs over which both page lists go up by one: (local firsts, remote firsts, lengths).
+    A run is one descriptor per layer (one copy instead of one per page)."""
+    lo, rem = np.asarray(local, dtype=np.int64), np.asarray(remote, dtype=np.int64)
+    breaks = np.flatnonzero((np.diff(lo) != 1) | (np.diff(rem) != 1)) + 1
+    firsts = np.concatenate([[0], breaks])
+    lengths = np.diff(np.concatenate([firsts, [len(lo)]]))
+    return lo[firsts], rem[firsts], lengths
 
 
 def layout_of(pools: dict[str, torch.Tensor], tokens_per_block: int) -> dict[str, Any]:
@@ -144,8 +156,9 @@ class KVTransferAgent:
              pools: Optional[Sequence[str]] = None) -> dict[str, Any]:
         """READ the peer's `remote_pages` of `pools` (default: all) into `local_pages`; blocks until
         done (the other pools' local pages are zeroed: the diagnostic negative control). Raises
-        RuntimeError on a failed or timed-out transfer. Returns {bytes, seconds, pool_bytes}
-        (pool_bytes: per pool pulled)."""
+        RuntimeError on a failed or timed-out transfer. Returns {bytes, seconds, pool_bytes, descriptors}
+        (pool_bytes: per pool pulled; descriptors: NIXL descriptors per side, one per run of pages
+        consecutive on both sides and layer)."""
         if len(remote_pages) != len(local_pages):
             raise ValueError(f"{len(remote_pages)} remote pages for {len(local_pages)} local pages")
         if peer not in self._peers:
@@ -158,10 +171,11 @@ class KVTransferAgent:
                 self.pools[n][:, idx] = 0
         pool_bytes = {n: len(local_pages) * self.info[n].num_layers * self.info[n].page_bytes for n in names}
         if not local_pages or not names:
-            return {"bytes": 0, "seconds": 0.0, "pool_bytes": {n: 0 for n in names}}
+            return {"bytes": 0, "seconds": 0.0, "pool_bytes": {n: 0 for n in names}, "descriptors": 0}
         remote_dev, remote = self._peers[peer]
-        local_d = np.concatenate([self.info[n].descs(local_pages, self.dev_id) for n in names])
-        remote_d = np.concatenate([remote[n].descs(remote_pages, remote_dev) for n in names])
+        lo, rem, lengths = page_runs(local_pages, remote_pages)
+        local_d = np.concatenate([self.info[n].descs(lo, lengths, self.dev_id) for n in names])
+        remote_d = np.concatenate([remote[n].descs(rem, lengths, remote_dev) for n in names])
         self.wait_device()         # no queued kernel of this process writes these pages during the READ
         t0 = time.perf_counter()
         handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local_d, self.mem),
@@ -180,4 +194,5 @@ class KVTransferAgent:
                 state = self.agent.check_xfer_state(handle)
         finally:
             self.agent.release_xfer_handle(handle)
-        return {"bytes": int(local_d[:, 1].sum()), "seconds": time.perf_counter() - t0, "pool_bytes": pool_bytes}
+        return {"bytes": int(local_d[:, 1].sum()), "seconds": time.perf_counter() - t0, "pool_bytes": pool_bytes,
+                "descriptors": len(local_d)}

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 pytest.importorskip("nixl")
-from tensorrt_llm.serve.disagg.transfer import KVTransferAgent  # noqa: E402
+from tensorrt_llm.serve.disagg.transfer import KVTransferAgent, page_runs  # noqa: E402
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -30,9 +30,11 @@ def test_pull_copies_pages_of_both_pools(device):
     meta = src.metadata()
     assert meta["mem"] == ("DRAM" if device == "cpu" else "VRAM") and meta["dev_id"] == dst.dev_id
     dst.add_peer(meta)
-    remote, local = [7, 2, 9], [0, 5, 11]
+    # remote 3..5 -> local 6..8 is one run; remote 10, 11 are consecutive but land on 9, 2: two runs
+    remote, local = [3, 4, 5, 2, 10, 11], [6, 7, 8, 0, 9, 2]
     before = {n: t.clone() for n, t in dst_pools.items()}
     stats = dst.pull(src.name, remote, local)
+    assert stats["descriptors"] == 4 * (2 + 3)        # 4 runs in each of the 2 + 3 layers
     for n in ("target", "draft"):
         assert torch.equal(dst_pools[n][:, local], src_pools[n][:, remote])
         untouched = [p for p in range(12) if p not in local]
@@ -51,6 +53,15 @@ def test_pull_copies_pages_of_both_pools(device):
     other = "VRAM" if device == "cpu" else "DRAM"
     with pytest.raises(ValueError, match=f"keeps its KV in {other}"):
         dst.add_peer({**meta, "agent_name": "other-mem", "mem": other})
+
+
+def test_page_runs():
+    lo, rem, n = page_runs([6, 7, 8, 0, 9, 2], [3, 4, 5, 2, 10, 11])
+    assert lo.tolist() == [6, 0, 9, 2] and rem.tolist() == [3, 2, 10, 11] and n.tolist() == [3, 1, 1, 1]
+    lo, rem, n = page_runs([4, 5, 6], [1, 2, 3])
+    assert lo.tolist() == [4] and rem.tolist() == [1] and n.tolist() == [3]
+    lo, rem, n = page_runs([1], [7])
+    assert lo.tolist() == [1] and rem.tolist() == [7] and n.tolist() == [1]
 
 
 def test_pools_must_be_contiguous():
