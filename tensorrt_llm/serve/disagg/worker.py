@@ -98,7 +98,7 @@ class DisaggWorker:
         return {"role": self.role, "identity": self.identity, **self.agent.metadata()}
 
     # ---- CTX ---------------------------------------------------------------------------
-    async def context(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def context(self, body: Any) -> dict[str, Any]:
         serving = self.llm_serving
         req = parse_request(body)
         req = req.model_copy(update={"stream": False, "stream_options": None})
@@ -155,7 +155,11 @@ class DisaggWorker:
                                   param="ctx", code="disagg_mismatch")
         if meta.get("role") != "context":
             raise OpenAIError(f"{url} is a {meta.get('role')!r} worker, not a context worker", param="ctx")
-        self.agent.add_peer(meta)
+        try:
+            self.agent.add_peer(meta)
+        except ValueError as e:          # VRAM on one side, DRAM on the other
+            raise OpenAIError(f"context worker {url} does not match this generation worker ({e})",
+                              param="ctx", code="disagg_mismatch") from e
         self.peers[url] = meta["agent_name"]
         return meta["agent_name"]
 
@@ -186,14 +190,14 @@ class DisaggWorker:
 
         return PrefilledKV(int(ctx["first_token"]), tuple(int(t) for t in ctx.get("draft_tokens", ())), pull)
 
-    async def generation(self, body: dict[str, Any], http: Request) -> Response:
+    async def generation(self, body: Any, http: Request) -> Response:
+        req = parse_request(body)
         ctx = body.get("ctx")
         if not isinstance(ctx, dict) or not {"url", "ctx_request_id", "pages", "first_token"} <= set(ctx):
             raise OpenAIError("`ctx` must be the /disagg/context reply plus `url`", param="ctx")
         agent = self.peers.get(ctx["url"])
         if agent is None or agent != ctx.get("agent_name"):     # first contact, or CTX restarted
             agent = await self.handshake(ctx["url"])
-        req = parse_request(body)
         serving = self.llm_serving
         pre = self.prefilled(ctx, agent)
         if req.stream:
