@@ -8,11 +8,12 @@ GEN worker READs the CTX worker's pages into its own pages (both pools, each at 
 only has to keep them until GEN says it has them.
 
 On a CPU host NIXL moves DRAM to DRAM through UCX, which needs the TCP transport: the agent sets
-`UCX_TLS=tcp,self,sm` in the process environment (unless the operator set UCX_TLS) before UCX
-starts. This is transport setup of the worker process, not a behaviour switch. CUDA pools are
-registered as VRAM (the tensor's device index) and keep UCX's default transports (all), among them
-cuda_ipc (a peer process's VRAM on this host, the same GPU included) and cuda_copy; a UCX_TLS set
-by the operator must name them.
+`UCX_TLS=tcp,self,sm` (plus cuda_copy where a GPU is present: NIXL requires it there) in the process
+environment (unless the operator set UCX_TLS) before UCX starts. This is transport setup of the
+worker process, not a behaviour switch. CUDA pools are registered as VRAM (the tensor's device
+index) and keep UCX's default transports (all), among them cuda_ipc (a peer process's VRAM on this
+host, the same GPU included) and cuda_copy; a UCX_TLS set by the operator must name them (NIXL
+refuses one without cuda_copy on a GPU host).
 
 CUDA ordering (the engine queues its work on one stream per process; NIXL copies on UCX's own):
 - CTX: `wait_device()` before the pages are published, so the prefill's writes of both pools are
@@ -107,8 +108,9 @@ class KVTransferAgent:
                              f"{ {n: (str(t.device), t.is_contiguous()) for n, t in pools.items()} }")
         # NIXL's memory type and devId of the pools (register_memory takes the same from the tensors)
         self.mem, self.dev_id = ("DRAM", 0) if self.device.type == "cpu" else ("VRAM", self.device.index or 0)
-        if self.mem == "DRAM":
-            os.environ.setdefault("UCX_TLS", CPU_UCX_TLS)     # must precede the agent's UCX init
+        if self.mem == "DRAM":      # must precede the agent's UCX init; NIXL refuses a UCX_TLS without
+            # cuda_copy where a GPU is present, even for DRAM pools
+            os.environ.setdefault("UCX_TLS", CPU_UCX_TLS + (",cuda_copy" if torch.cuda.is_available() else ""))
         from nixl._api import nixl_agent, nixl_agent_config
         self.name = f"{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))

@@ -13,6 +13,13 @@ from tensorrt_llm.serve.disagg.transfer import KVTransferAgent, page_runs  # noq
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
+@pytest.fixture(autouse=True)
+def _own_ucx_tls(monkeypatch):
+    """Each test's agents choose UCX_TLS themselves (a DRAM agent sets it for the process); restored after."""
+    monkeypatch.setenv("UCX_TLS", "")
+    monkeypatch.delenv("UCX_TLS")
+
+
 def _pools(device: str, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     target = torch.randn(2, 12, 2, 2, 4, 8, generator=g).to(torch.bfloat16)     # [L, pages, planes, heads, P, D]
