@@ -10,7 +10,7 @@ A round runs `trtllm-bench --backend openai` (streaming chat completions, or --a
 MT-Bench first turns, --max-tokens output tokens with --ignore-eos, T = 0) at each --concurrency
 level against the aggregated server, then against the router; rounds alternate the arm order. Around
 each disaggregated run the GEN worker's GET /disagg/state gives that run's transfers (pages, bytes per
-pool, seconds) and its /metrics the acceptance length (the router has no /metrics).
+pool, seconds); the client reads AL from the GEN worker's /metrics (`--metrics-url`: the router has none).
 
 Report (median and min-max over rounds): output tok/s, TTFT / TPOT p50 and mean, failures and AL for
 aggregated vs disaggregated; KV bytes per request per pool (target, draft), transfer GB/s (median,
@@ -25,7 +25,7 @@ the six servers' parallel start (~1-2 min with CUDA graphs + torch.compile); --d
 starts no round that would end past it.
 CPU dry run (the tiny chat target of the serving tests, the trained tiny MLA drafter, a random GQA one):
   python3 examples/gpu/disagg_bench.py --device cpu --tiny-cpu /tmp/dbench_tiny --dataset default \\
-      --num-requests 4 --concurrency 2 --max-tokens 16 --rounds 2 --out /tmp/dbench_out
+      --num-requests 4 --concurrency 2 --max-tokens 16 --rounds 2 --kv-tokens 4096 --out /tmp/dbench_out
 """
 from __future__ import annotations
 
@@ -52,7 +52,6 @@ from sidebyside import DEVICE_CARRY, DEVICE_MODEL, drafter_dir  # noqa: E402
 
 sys.path.insert(0, str(REPO))
 from tensorrt_llm.bench.lm_eval_gsm8k import OFFLINE_ENV, free_port, start_server, stop_server  # noqa: E402
-from tensorrt_llm.bench.serving_client import acceptance_length, scrape_spec  # noqa: E402
 from tensorrt_llm.bench.sidebyside import rotated  # noqa: E402
 from tensorrt_llm.bench.yaml_option import yaml_mapping  # noqa: E402
 
@@ -168,28 +167,27 @@ def transfer_summary(records: list[dict]) -> dict[str, Any]:
     return out
 
 
-def measure(url: str, arm: str, c: int, a: argparse.Namespace, work: Path, tag: str,
+def measure(url: str, c: int, a: argparse.Namespace, work: Path, tag: str,
             gen: Optional[str] = None) -> dict[str, Any]:
     """One trtllm-bench run at concurrency c against `url` (its first `num_requests` prompts); with `gen`
-    (disaggregated) that GEN worker's transfers and acceptance length over the run."""
+    (disaggregated) AL from that GEN worker's /metrics and the run's transfers from its /disagg/state."""
     argv = ["--backend", "openai", "--base-url", url, "--dataset", a.dataset, "--num-requests", str(a.num_requests),
             "--concurrency", str(c), "--max-tokens", str(a.max_tokens), "--ignore-eos", "--log-level", "error"]
     if a.api == "completions":
         argv.append("--no-chat-template")
     if a.dataset_cache_dir:
         argv += ["--dataset-cache-dir", a.dataset_cache_dir]
-    with httpx.Client(base_url=gen, timeout=30) if gen else httpx.Client() as client:
-        if gen:
-            seen = {(t["ctx_url"], t["ctx_request_id"]) for t in client.get("/disagg/state").json()["transfers"]}
-            spec0 = scrape_spec(client)
-        row = run_client(argv, work / f"{tag}.json", work / f"{tag}.log", a.timeout_s)
-        out = {k: row[k] for k in ROW_KEYS if k in row}
-        out.update(al=row["acceptance_length"], first_error=row["first_error"], requests=row["num_requests"])
-        if gen:
-            state = client.get("/disagg/state").json()
-            new = [t for t in state["transfers"] if (t["ctx_url"], t["ctx_request_id"]) not in seen]
-            # AL over the run's requests and the client's one warm-up request (GEN counts all it verified)
-            out.update(al=acceptance_length(spec0, scrape_spec(client)), transfers=transfer_summary(new))
+    if gen:
+        argv += ["--metrics-url", gen]
+        before = httpx.get(f"{gen}/disagg/state", timeout=30).json()["transfers"]
+        seen = {(t["ctx_url"], t["ctx_request_id"]) for t in before}
+    row = run_client(argv, work / f"{tag}.json", work / f"{tag}.log", a.timeout_s)
+    out = {k: row[k] for k in ROW_KEYS if k in row}
+    out.update(al=row["acceptance_length"], first_error=row["first_error"], requests=row["num_requests"])
+    if gen:     # the client's warm-up request is among them (one transfer more than `requests`)
+        state = httpx.get(f"{gen}/disagg/state", timeout=30).json()
+        out["transfers"] = transfer_summary([t for t in state["transfers"]
+                                             if (t["ctx_url"], t["ctx_request_id"]) not in seen])
     return out
 
 
@@ -337,7 +335,7 @@ def run_rounds(report: dict, servers: dict[str, ArmServers], a: argparse.Namespa
                                        ("disaggregated", s.urls["router"], s.urls["gen"])):
                     tag = f"{arm}_{mode}_c{c}_r{rnd + 1}"
                     try:
-                        res[mode][str(c)] = measure(url, arm, c, a, work, tag, gen)
+                        res[mode][str(c)] = measure(url, c, a, work, tag, gen)
                     except (RuntimeError, ValueError, KeyError, httpx.HTTPError, OSError,
                             subprocess.TimeoutExpired) as e:
                         res[mode][str(c)] = {"error": f"{type(e).__name__}: {e}"[-2000:]}

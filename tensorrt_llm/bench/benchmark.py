@@ -212,6 +212,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=["engine", "openai"], default="engine",
                    help="engine: the LLM API in-process; openai: a running server at --base-url (serving_client.py)")
     p.add_argument("--base-url", default=None, help="server address for --backend openai, e.g. http://localhost:8000")
+    p.add_argument("--metrics-url", default=None,
+                   help="--backend openai: the server whose /metrics gives AL (default --base-url; the GEN worker "
+                        "behind a disaggregated router)")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="--backend openai: Poisson arrivals per second (inf: all at once, --concurrency caps)")
     p.add_argument("--model", default=None, help="HF checkpoint folder (default: fetch smollm2-135m-instruct)")

@@ -8,8 +8,9 @@ Per concurrency level, requests arrive as a Poisson process of ``--request-rate`
 once) and at most C are in flight. Every request streams (SSE, ``stream_options.include_usage``):
 TTFT = first text chunk - send; ITL = gaps between text chunks (one chunk per engine step, so with
 speculation a chunk may carry several tokens); TPOT = (e2e - TTFT) / (output tokens - 1), per request;
-output tokens from the server's `usage`. AL is read from the server's /metrics before and after the
-level (accepted draft tokens / verify steps over that level).
+output tokens from the server's `usage`. AL is read from the server's /metrics (or --metrics-url's:
+the GEN worker behind a disaggregated router) before and after the level (accepted draft tokens /
+verify steps over that level).
 """
 from __future__ import annotations
 
@@ -196,11 +197,12 @@ def run_serving_benchmark(args) -> dict[str, Any]:
         path = "/v1/chat/completions" if args.chat_template else "/v1/completions"
         asyncio.run(run_level(base, path, bodies[:1], 1, float("inf")))          # warm-up, not timed
         rows = []
-        for c in args.concurrency:
-            level = level_prompts(bodies, c, args.waves, args.min_requests)
-            before = scrape_spec(client)
-            results, elapsed = asyncio.run(run_level(base, path, level, c, args.request_rate))
-            rows.append(summarize(results, elapsed, c, args.request_rate,
-                                  acceptance_length(before, scrape_spec(client))))
+        with httpx.Client(base_url=(args.metrics_url or base).rstrip("/"), timeout=60) as metrics:
+            for c in args.concurrency:
+                level = level_prompts(bodies, c, args.waves, args.min_requests)
+                before = scrape_spec(metrics)
+                results, elapsed = asyncio.run(run_level(base, path, level, c, args.request_rate))
+                rows.append(summarize(results, elapsed, c, args.request_rate,
+                                      acceptance_length(before, scrape_spec(metrics))))
     return {"config": {k: v for k, v in vars(args).items()}, "server": {"base_url": base, "model": card},
             "results": rows}
