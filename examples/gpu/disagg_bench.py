@@ -240,7 +240,11 @@ def _fmt(s: Optional[dict], scale: float = 1.0, digits: int = 1) -> str:
 
 def markdown(report: dict) -> str:
     rows = report["rows"]
-    out = ["| arm | mode | C | rounds | out tok/s | TTFT p50 ms | TTFT mean ms | TPOT p50 ms | TPOT mean ms | AL "
+    cfg = report["config"]
+    out = [f"{cfg['api']} API, {cfg['num_requests']} requests x {cfg['max_tokens']} tokens per level and run, "
+           f"servers up after {report.get('start_s', '-')} s, total {report.get('t_s', '-')} s"
+           + (f"; {report['cut']}" if report.get("cut") else "") + ".", "",
+           "| arm | mode | C | rounds | out tok/s | TTFT p50 ms | TTFT mean ms | TPOT p50 ms | TPOT mean ms | AL "
            "| failures |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['arm']} | {r['mode']} | {r['concurrency']} | {r['rounds']} | {_fmt(r['output_tok_s'], 1, 0)} "
@@ -301,7 +305,7 @@ def start_all(servers: dict[str, ArmServers], report: dict, a: argparse.Namespac
     """Every arm's servers in parallel, each arm warmed up; the arms that came up (the others' errors,
     with log tails, go into the report)."""
     with ThreadPoolExecutor(max_workers=4 * len(servers)) as pool:    # an arm's start waits on its three
-        starting = {arm: pool.submit(s.start, pool, a.timeout_s) for arm, s in servers.items()}
+        starting = {arm: pool.submit(s.start, pool, a.start_timeout_s) for arm, s in servers.items()}
         for arm, fut in starting.items():
             entry = report["arms"][arm]
             try:
@@ -365,7 +369,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--num-requests", type=int, default=32, help="requests per level and run")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--timeout-s", type=float, default=240, help="per server start and per trtllm-bench run")
+    ap.add_argument("--start-timeout-s", type=float, default=360,
+                    help="per server start (all six start together, compiling at once)")
+    ap.add_argument("--timeout-s", type=float, default=240, help="per trtllm-bench run")
     ap.add_argument("--deadline-s", type=float, default=500, help="no round starts that would end past this")
     ap.add_argument("--tiny-cpu", default=None, metavar="DIR",
                     help="dry run: build the tests' tiny target and drafters in DIR (overrides --model/--gqa/--mla)")
