@@ -5,8 +5,8 @@
                                 through when stream=true. The body is validated here with the
                                 aggregated server's request models (the same 400s); the workers apply
                                 the chat template, so replies equal the aggregated server's.
-    GET  /v1/models             \
-    POST /tokenize, /detokenize  > answered by a CTX worker (all workers serve one model: checked by GEN)
+    GET  /v1/models             answered by the first CTX worker that answers (all workers serve one
+    POST /tokenize, /detokenize model: GEN checks it at first contact)
     GET  /health                200 when at least one CTX and one GEN worker answer /health
 
 Faults: a worker that cannot be reached, or a GEN worker that sends nothing for
