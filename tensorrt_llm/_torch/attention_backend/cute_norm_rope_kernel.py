@@ -21,7 +21,9 @@ F32 = cutlass.Float32
 
 def cute_tensor(t: torch.Tensor) -> cute.Tensor:
     """t as a CuTe tensor with a dynamic layout (shapes and strides runtime values) and unit last stride:
-    the compiled kernel's argument form, the same at compile time and at every call."""
+    the compiled kernel's argument form, the same at compile time and at every call. Detached first: DLPack
+    refuses a tensor that requires grad (a layer's norm weight is a Parameter)."""
+    t = t.detach()
     return from_dlpack(t, assumed_align=t.element_size()).mark_layout_dynamic(leading_dim=t.dim() - 1)
 
 

@@ -79,6 +79,17 @@ def test_kernel_equals_reference_bf16(case, t_n):
     assert bool((untouched == 3.0).all())                # nothing written outside the row's columns
 
 
+def test_a_parameter_weight_and_inputs_that_require_grad():
+    """A layer's norm weight is an nn.Parameter (requires grad), which DLPack refuses to export: the
+    kernel takes it (and inputs that require grad) as they come."""
+    x, cos, sin, w, out, kw = _make("mla_latent", 8, torch.bfloat16, seed=2)
+    w = torch.nn.Parameter(w)
+    x = x.detach().clone().requires_grad_(True)
+    with torch.no_grad():
+        norm_rope(x, cos, sin, out, weight=w, eps=1e-6, **kw)
+    _check(out, norm_rope_reference(x.detach(), cos, sin, kw["norm_dim"], w.detach(), 1e-6, kw["apply_rmsnorm"]))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("case", ["gqa_q_heads", "mla_context_all_layers"])
 def test_kernel_equals_reference_other_dtypes(case, dtype):
