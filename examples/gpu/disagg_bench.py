@@ -20,11 +20,10 @@ run puts its log tail into the report and the script goes on.
 
 Device call (after the carry parts, see examples/gpu/prepare_carry.sh; nixl on PYTHONPATH):
   . examples/gpu/device_setup.sh >/dev/null && python3 examples/gpu/disagg_bench.py --out $OUT/disagg
-Budget (estimated, not measured yet): 2 arms x 3 rounds at C=16 with 32 requests are 12 client runs of
-a few seconds each (a client process start, 32 /tokenize calls, a warm-up request, two waves of 256
-tokens) after the six servers' parallel start (one alone takes ~30-60 s with CUDA graphs +
-torch.compile; --start-timeout-s 360 each); --deadline-s (default 500) starts no round that would end
-past it, and the report is rewritten after every round.
+Time on the H200 (2026-12-03): the six servers' parallel start took 118 s (CUDA graphs + torch.compile;
+--start-timeout-s 360 each), each round of 2 arms x 2 modes at C=16 with 32 requests 22-25 s, 187 s in
+all; --deadline-s (default 500) starts no round that would end past it, and the report is rewritten after
+every round.
 CPU dry run (the tiny chat target of the serving tests, the trained tiny MLA drafter, a random GQA one):
   python3 examples/gpu/disagg_bench.py --device cpu --tiny-cpu /tmp/dbench_tiny --dataset default \\
       --num-requests 4 --concurrency 2 --max-tokens 16 --rounds 2 --kv-tokens 4096 --out /tmp/dbench_out
