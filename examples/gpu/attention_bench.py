@@ -33,10 +33,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import time
 
 import torch
+from cuda_timing import graph_us
 
 from tensorrt_llm._torch.attention_backend.cute_norm_rope import norm_rope, norm_rope_reference
 from tensorrt_llm._torch.attention_backend.flashinfer_backend import FlashInferAttention
@@ -52,27 +52,6 @@ SHAPES = {  # name: (queries per request, q heads, kv heads, head dim, mla, caus
     "gqa_draft_block": (8, 16, 16, 64, False, False),
     "mla_draft_block": (8, 16, 1, 576, True, False),
 }
-
-
-def _graph_us(fn, calls: int = 20, reps: int = 5) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / calls)
-    return statistics.median(times)
 
 
 def _tensors(name: str, batch: int, ctx: int, dev: torch.device
@@ -115,7 +94,7 @@ def _case(name: str, batch: int, ctx: int, dev: torch.device, splits: list[int],
             fn = lambda b=backend, m=md: b.forward(q, kk, kk, cache, m, 0.1)           # noqa: E731
         fn()                                  # plans (flashinfer) and compiles (triton) outside the graph
         torch.cuda.synchronize()
-        out[label] = {"us_per_call": round(_graph_us(fn), 2), "host_prepare_us": round(plan_us, 1)}
+        out[label] = {"us_per_call": round(graph_us(fn), 2), "host_prepare_us": round(plan_us, 1)}
     return out
 
 
@@ -135,7 +114,7 @@ def _config_sweep(name: str, batch: int, ctx: int, dev: torch.device) -> dict:
                                            num_splits=1, config=c)
         try:
             ok = (fn().float() - ref.float()).abs().max().item() < 0.05
-            timed[f"bm{bm}_w{warps}_s{stages}"] = {"us_per_call": round(_graph_us(fn), 2), "matches": ok}
+            timed[f"bm{bm}_w{warps}_s{stages}"] = {"us_per_call": round(graph_us(fn), 2), "matches": ok}
         except Exception as e:       # a config this GPU cannot run (shared memory): recorded as such
             timed[f"bm{bm}_w{warps}_s{stages}"] = {"error": f"{type(e).__name__}: {str(e)[:80]}"}
     key = f"bm{default.block_m}_w{default.num_warps}_s{default.num_stages}"
@@ -146,7 +125,7 @@ def _linear_case(n: int, k: int, tokens: int, dev: torch.device) -> dict:
     lin = torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
     fp8 = FP8BlockLinear.from_linear(lin, FP8BlockQuantConfig())
     x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)
-    return {"bf16_us": round(_graph_us(lambda: lin(x)), 2), "fp8_reference_us": round(_graph_us(lambda: fp8(x)), 2)}
+    return {"bf16_us": round(graph_us(lambda: lin(x)), 2), "fp8_reference_us": round(graph_us(lambda: fp8(x)), 2)}
 
 
 # name: (rows per request, heads, heads in the input buffer, width, norm_dim, rope_dim, apply_rmsnorm,
@@ -184,8 +163,8 @@ def _norm_rope_case(name: str, batch: int, dev: torch.device) -> dict:
     got = out[..., off:off + width].clone()
     diff = (got.float() - norm_rope_reference(x, cos, sin, norm_dim, w, 1e-6, apply).float()).abs().max().item()
     return {"shape": name, "batch": batch, "rows": t * heads, "width": width,
-            "cute": {"graph_us": round(_graph_us(cute), 2), "eager_us": round(_eager_us(cute), 2)},
-            "torch": {"graph_us": round(_graph_us(ref), 2), "eager_us": round(_eager_us(ref), 2)},
+            "cute": {"graph_us": round(graph_us(cute), 2), "eager_us": round(_eager_us(cute), 2)},
+            "torch": {"graph_us": round(graph_us(ref), 2), "eager_us": round(_eager_us(ref), 2)},
             "max_abs_diff": diff}
 
 

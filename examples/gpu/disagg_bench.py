@@ -52,7 +52,8 @@ from serve_bench import arm_yaml  # noqa: E402
 from sidebyside import DEVICE_CARRY, DEVICE_MODEL, drafter_dir  # noqa: E402
 
 sys.path.insert(0, str(REPO))
-from tensorrt_llm.bench.lm_eval_gsm8k import OFFLINE_ENV, free_port, start_server, stop_server  # noqa: E402
+from tensorrt_llm.bench.lm_eval_gsm8k import (OFFLINE_ENV, free_port, start_server, stop_server,  # noqa: E402
+                                              wait_healthy)
 from tensorrt_llm.bench.sidebyside import rotated  # noqa: E402
 from tensorrt_llm.bench.yaml_option import yaml_mapping  # noqa: E402
 
@@ -86,18 +87,8 @@ def start_router(ctx: str, gen: str, folder: Path, timeout: float) -> tuple[Any,
         proc = subprocess.Popen([sys.executable, "-m", "tensorrt_llm.serve.cli", "disaggregated", "-c", str(cfg),
                                  "--log_level", "warning"], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"router exited with {proc.returncode}:\n{tail(folder / 'router.log')}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    stop_server(proc)
-    raise RuntimeError(f"router not healthy after {timeout} s:\n{tail(folder / 'router.log')}")
+    wait_healthy(proc, url, folder / "router.log", "router", timeout)
+    return proc, url
 
 
 class ArmServers:

@@ -23,6 +23,7 @@ import json
 import statistics
 
 import torch
+from cuda_timing import graph_us
 
 from tensorrt_llm._torch.attention_backend.cpp_ops import ops_loaded
 from tensorrt_llm._torch.attention_backend.paged_append import paged_kv_append, reference_paged_kv_append
@@ -40,27 +41,6 @@ def _events_us(fn, calls: int = 100, reps: int = 5) -> float:
         a.record()
         for _ in range(calls):
             fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / calls)
-    return statistics.median(times)
-
-
-def _graph_us(fn, calls: int = 20, reps: int = 5) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) * 1000 / calls)
@@ -89,7 +69,7 @@ def append_case(name: str, batch: int, ctx: int, cache_dtype: torch.dtype, dev: 
     same = (torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
             and int(refused) == int(ref_refused) == 0)
     return {"kind": "append", "case": name, "batch": batch, "ctx": ctx, "cache_dtype": str(cache_dtype)[6:],
-            "equal": same, "op_eager_us": _events_us(op), "op_graph_us": _graph_us(op),
+            "equal": same, "op_eager_us": _events_us(op), "op_graph_us": graph_us(op),
             "torch_eager_us": _events_us(ref)}
 
 
@@ -104,8 +84,8 @@ def quant_case(batch: int, k: int, dev: torch.device) -> dict:
     (qa, sa), (qb, sb) = op(), ref()
     same = torch.equal(qa.view(torch.uint8), qb.view(torch.uint8)) and torch.equal(sa, sb)
     return {"kind": "quant", "case": f"rows {batch * 8} x {k}", "batch": batch, "equal": same,
-            "op_eager_us": _events_us(op), "op_graph_us": _graph_us(op), "torch_eager_us": _events_us(ref),
-            "torch_graph_us": _graph_us(ref)}
+            "op_eager_us": _events_us(op), "op_graph_us": graph_us(op), "torch_eager_us": _events_us(ref),
+            "torch_graph_us": graph_us(ref)}
 
 
 def main() -> None:

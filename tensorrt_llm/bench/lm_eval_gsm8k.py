@@ -143,19 +143,25 @@ def start_server(model: str, name: str, args: dict, folder: Path, timeout: float
                              "--log_level", "warning", *extra_argv], stdout=log, stderr=subprocess.STDOUT, env=env,
                             cwd=REPO_ROOT)
     url = f"http://127.0.0.1:{port}"
+    wait_healthy(proc, url, folder / "server.log", "trtllm-serve", timeout)
+    return proc, url
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log: Path, what: str, timeout: float) -> None:
+    """Return once `url`/health answers 200; stop `proc` and raise RuntimeError (with `log`'s tail) when
+    it exits first or `timeout` s pass."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"trtllm-serve exited with {proc.returncode}: {folder / 'server.log'}\n"
-                               f"{(folder / 'server.log').read_text()[-3000:]}")
+            raise RuntimeError(f"{what} exited with {proc.returncode}: {log}\n{log.read_text()[-3000:]}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
+                return
         except httpx.TransportError:
             pass
         time.sleep(0.3)
     stop_server(proc)
-    raise RuntimeError(f"trtllm-serve not healthy after {timeout} s: {folder / 'server.log'}")
+    raise RuntimeError(f"{what} not healthy after {timeout} s: {log}\n{log.read_text()[-3000:]}")
 
 
 def stop_server(proc: subprocess.Popen) -> None:
