@@ -258,15 +258,18 @@ def test_disconnecting_clients_abort_their_requests_and_free_every_page(tiny_ser
     before = wait_idle(tiny_server)
 
     async def leave_early(i: int, stream: bool) -> None:
-        # a non-streaming client hangs up 0.5 s after sending a 250-token request (its connect may take
-        # longer on a loaded machine; 250 tokens among 50 requests take well over 0.5 s even on a fast
-        # CPU, so the request is running when it goes); a streaming one after three chunks
+        # a non-streaming client hangs up 0.1 s after sending a 250-token request (its connect may take
+        # longer on a loaded machine). The pool holds one such request at a time, and the first one
+        # admitted runs alone: 250 steps took ~0.5 s in CI, so a 0.5 s hang-up raced its completion
+        # (once: 49 of 50 aborted). 0.1 s is well inside 250 steps on any CPU, so the request is still
+        # running when the client goes; the server submits it even if it reads it after the hang-up,
+        # then sees the disconnect. A streaming client hangs up after three chunks.
         body = {"model": tiny_server.model, "prompt": PROMPTS[i % 4], "max_tokens": max_tokens if stream else 250,
                 "temperature": 0, "ignore_eos": True, "stream": stream}
         async with httpx.AsyncClient(base_url=tiny_server.base_url, timeout=60) as c:
             if not stream:              # hang up while the request is running
                 with pytest.raises(httpx.ReadTimeout):
-                    await c.post("/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
+                    await c.post("/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.1))
                 return
             async with c.stream("POST", "/v1/completions", json=body) as r:
                 assert r.status_code == 200
