@@ -69,9 +69,9 @@ class DSparkDecodingConfig(StrictBaseModel):
         "with shift_label, block size - 1 without).")
     attention_backend: AttentionBackendName = Field(
         default="AUTO", description="Attention backend for the drafter. CUTEDSL: TRITON's paged attention with "
-        "the queries' and K / latent rows' RMSNorm + RoPE as the CuTe DSL kernel (CUDA sm90+, the 'cutedsl' "
-        "extra; a drafter with layer regions and half-rotation RoPE, else the load raises). AUTO does not "
-        "pick CUTEDSL.")
+        "the queries' and K / latent rows' RMSNorm + RoPE and their page-bounded append as one CuTe DSL launch "
+        "per layer (CUDA sm90+, the 'cutedsl' extra; a drafter with layer regions and half-rotation RoPE, else "
+        "the load raises). AUTO does not pick CUTEDSL.")
     mask_token_id: Optional[int] = Field(
         default=None, ge=0, description="Override of dspark_config.mask_token_id.")
     target_layer_ids: Optional[list[int]] = Field(

@@ -53,9 +53,10 @@ class BackendCapabilities:
     # `forward_rope`: rotates q and k (half-rotation RoPE) in the launch that appends K/V, so a model
     # with layer regions hands it the q|k|v GEMM's output unrotated
     fused_rope_append: bool = False
-    # with fused_rope_append: the norms and rotations of `forward_rope` / `forward_mla_rope` (and of an MLA
-    # drafter's context latents) run as the CuTe DSL prep kernel (`cute_norm_rope`), so a model on this
-    # backend must hand every layer's inputs unrotated (a drafter that cannot is refused at load)
+    # with fused_rope_append: `forward_rope` / `forward_mla_rope` run as one CuTe DSL launch per layer
+    # (`cute_rope_append`) and an MLA drafter's context latents through the CuTe DSL prep kernel
+    # (`cute_norm_rope`), so a model on this backend must hand every layer's inputs unrotated (a drafter
+    # that cannot is refused at load)
     cute_norm_rope: bool = False
 
 

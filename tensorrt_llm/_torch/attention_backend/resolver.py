@@ -6,11 +6,12 @@ names what is missing). CUDA + GQA -> FLASHINFER -> VANILLA, degrading with a lo
 Every choice is checked against the backend's declared `capabilities` (device, dtype, fp8 KV).
 TRITON (plan-free, lengths on the device) is otherwise an explicit choice; a DSpark drafter under
 AUTO with CUDA graphs then switches to its device draft step's TRITON backend for every draft step
-(`DSparkWorker.enable_device_drafts`). CUTEDSL (TRITON attention with the CuTe DSL norm + RoPE prep
-kernel, sm90+, nvidia-cutlass-dsl) is a drafter's explicit choice only: AUTO does not pick it where it
-could run, because TRITON already norms and rotates inside its append launch (one launch per layer
-against CUTEDSL's three or four): on the H200 a DSpark step with CUTEDSL takes 3-8% more GPU time
-(`docs/dspark.md`). An explicit choice that cannot run raises; an unknown name raises (listing the known ones).
+(`DSparkWorker.enable_device_drafts`). CUTEDSL (TRITON attention with the norm + RoPE prep and the
+page-bounded append as one CuTe DSL launch per layer, `cute_rope_append`, sm90+, nvidia-cutlass-dsl) is a
+drafter's explicit choice only: AUTO does not pick it where it could run. On the H200 a DSpark step with
+CUTEDSL took 3-8% more GPU time than with TRITON (`docs/dspark.md`), measured when it made three or four
+launches per layer against TRITON's one; it now makes one, as TRITON, and is not re-measured yet. An
+explicit choice that cannot run raises; an unknown name raises (listing the known ones).
 """
 from __future__ import annotations
 

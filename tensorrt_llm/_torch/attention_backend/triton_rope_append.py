@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .interface import HeadNorms
-from .paged_append import check_paged_kv_append
+from .rope_append_checks import check_mla_rope_append, check_rope_append
 
 
 @triton.jit
@@ -151,25 +151,6 @@ def _mla_rope_append_kernel(ql_ptr, stride_qlt, stride_qlh, qp_ptr, stride_qpt, 
             tl.atomic_add(refused_ptr, 1)
 
 
-def _heads_contiguous(name: str, x: torch.Tensor, heads: int, dim: int) -> None:
-    if x.dim() != 3 or x.shape[1:] != (heads, dim):
-        raise ValueError(f"{name} must be [T, {heads}, {dim}], got {tuple(x.shape)}")
-    if x.stride(2) != 1 or x.stride(1) != dim:
-        raise ValueError(f"{name} must have contiguous heads and dims (strides [*, {dim}, 1]), got {x.stride()}")
-
-
-def _check_rope_tables(cos: torch.Tensor, sin: torch.Tensor, t_n: int, dim: int) -> None:
-    for name, x in (("cos", cos), ("sin", sin)):
-        if x.dtype != torch.float32 or x.shape != (t_n, 1, dim) or x.stride(2) != 1:
-            raise ValueError(f"{name} must be [{t_n}, 1, {dim}] float32 with contiguous dims, got "
-                             f"{tuple(x.shape)} {x.dtype}")
-
-
-def _check_token_split(qo_indptr: Optional[torch.Tensor], tokens_per_seq: int, b_n: int, t_n: int) -> None:
-    if qo_indptr is None and (tokens_per_seq < 1 or tokens_per_seq * b_n != t_n):
-        raise ValueError(f"tokens_per_seq {tokens_per_seq} does not split {t_n} tokens over {b_n} requests")
-
-
 def _owner_blocks(width: int, b_n: int) -> dict[str, int]:
     """The ownership check's tile sizes (`_owns`): block-table width and request offsets."""
     return dict(BLOCK_W=min(triton.next_power_of_2(max(width, 1)), 256),
@@ -185,32 +166,11 @@ def rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
     added to refused [1] int32. block_tables [B, W] int32; qo_indptr [B + 1] int32 (ragged) or
     None with tokens_per_seq = T / B; head_norms: q and k RMSNormed per head first. Nothing here
     reads the device."""
+    check_rope_append(q, k, v, cos, sin, kv_cache, slot_mapping, block_tables, qo_indptr, tokens_per_seq, refused,
+                      head_norms)
     t_n, hq, dim = q.shape
-    pages, planes, hkv, page_size, width = kv_cache.shape if kv_cache.dim() == 5 else (0,) * 5
-    if kv_cache.dim() != 5 or planes != 2 or width != dim:
-        raise ValueError(f"kv_cache must be [pages, 2, Hkv, P, {dim}], got {tuple(kv_cache.shape)}")
-    if not kv_cache.is_contiguous() or kv_cache.dtype != q.dtype:
-        raise ValueError(f"kv_cache must be contiguous in q's dtype ({q.dtype}), got {kv_cache.dtype}")
-    if dim % 2 or dim & (dim - 1) or page_size & (page_size - 1):
-        raise ValueError(f"head_dim {dim} and page size {page_size} must be powers of two")
-    _heads_contiguous("q", q, hq, dim)
-    _heads_contiguous("k", k, hkv, dim)
-    _heads_contiguous("v", v, hkv, dim)
-    for name, x in (("k", k), ("v", v)):
-        if x.shape[0] != t_n:
-            raise ValueError(f"{name} holds {x.shape[0]} tokens, q {t_n}")
-    _check_rope_tables(cos, sin, t_n, dim)
-    if head_norms is not None:
-        if not head_norms.eps > 0:
-            raise ValueError(f"head_norms.eps must be > 0, got {head_norms.eps}")
-        for name, w in (("q_weight", head_norms.q_weight), ("k_weight", head_norms.k_weight)):
-            if w.shape != (dim,) or w.dtype != q.dtype or w.device != q.device or w.stride(0) != 1:
-                raise ValueError(f"head_norms.{name} must be [{dim}] contiguous {q.dtype} on {q.device}, got "
-                                 f"{tuple(w.shape)} {w.dtype} on {w.device}")
+    pages, _, hkv, page_size, _ = kv_cache.shape
     b_n = block_tables.shape[0]
-    _check_token_split(qo_indptr, tokens_per_seq, b_n, t_n)
-    # the append's own checks (slots, tables, query offsets, counter, devices, layouts: the C++ op's words)
-    check_paged_kv_append(k, kv_cache, slot_mapping, block_tables, qo_indptr, tokens_per_seq, 0, refused)
     out = torch.empty(t_n, hq, dim, dtype=q.dtype, device=q.device)
     if t_n == 0:
         return out
@@ -236,35 +196,10 @@ def mla_rope_append(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, c
     the latent [rms_norm(c_kv) | rope(k_pe)] (norm_weight [R], eps) written into kv_cache [pages, 1,
     1, P, R + r] at slot_mapping within each token's request's pages, refusals added to refused.
     The rest as `rope_append`."""
-    t_n, heads, rank = q_lat.shape if q_lat.dim() == 3 else (0, 0, 0)
-    if q_lat.dim() != 3 or q_lat.stride(2) != 1:
-        raise ValueError(f"q_lat must be [T, H, R] with contiguous dims, got {tuple(q_lat.shape)} strides "
-                         f"{q_lat.stride()}")
-    rope_dim = kv.shape[-1] - rank
-    if q_pe.dim() != 3 or q_pe.shape != (t_n, heads, rope_dim) or q_pe.stride(2) != 1:
-        raise ValueError(f"q_pe must be [{t_n}, {heads}, {rope_dim}] with contiguous dims, got "
-                         f"{tuple(q_pe.shape)} strides {q_pe.stride()}")
-    if kv.dim() != 2 or kv.shape[0] != t_n or kv.stride(1) != 1:
-        raise ValueError(f"kv must be [{t_n}, R + r] with contiguous dims, got {tuple(kv.shape)}")
-    if kv_cache.dim() != 5 or kv_cache.shape[1:3] != (1, 1) or kv_cache.shape[4] != rank + rope_dim:
-        raise ValueError(f"kv_cache must be [pages, 1, 1, P, {rank + rope_dim}], got {tuple(kv_cache.shape)}")
-    if not kv_cache.is_contiguous() or len({q_lat.dtype, q_pe.dtype, kv.dtype, kv_cache.dtype}) != 1:
-        raise ValueError(f"q_lat, q_pe, kv and kv_cache must share one dtype (kv_cache contiguous), got "
-                         f"{q_lat.dtype}, {q_pe.dtype}, {kv.dtype}, {kv_cache.dtype}")
-    page_size = kv_cache.shape[3]
-    for name, n in (("kv_lora_rank", rank), ("rope dim", rope_dim), ("page size", page_size)):
-        if n < 2 or n & (n - 1):
-            raise ValueError(f"{name} {n} must be a power of two >= 2")
-    _check_rope_tables(cos, sin, t_n, rope_dim)
-    if (norm_weight.shape != (rank,) or norm_weight.dtype != kv.dtype or norm_weight.device != kv.device
-            or norm_weight.stride(0) != 1):
-        raise ValueError(f"norm_weight must be [{rank}] contiguous {kv.dtype} on {kv.device}, got "
-                         f"{tuple(norm_weight.shape)} {norm_weight.dtype} on {norm_weight.device}")
-    if not eps > 0:
-        raise ValueError(f"eps must be > 0, got {eps}")
-    b_n = block_tables.shape[0]
-    _check_token_split(qo_indptr, tokens_per_seq, b_n, t_n)
-    check_paged_kv_append(kv[:, None, :], kv_cache, slot_mapping, block_tables, qo_indptr, tokens_per_seq, 0, refused)
+    check_mla_rope_append(q_lat, q_pe, kv, cos, sin, norm_weight, eps, kv_cache, slot_mapping, block_tables,
+                          qo_indptr, tokens_per_seq, refused)
+    t_n, heads, rank = q_lat.shape
+    rope_dim, page_size, b_n = kv.shape[-1] - rank, kv_cache.shape[3], block_tables.shape[0]
     out = torch.empty(t_n, heads, rank + rope_dim, dtype=q_lat.dtype, device=q_lat.device)
     if t_n == 0:
         return out
