@@ -1,7 +1,8 @@
-"""A prompt-only step's arrivals drafted before the host reads their first tokens.
+"""A step's arrivals drafted before the host reads their first tokens.
 
-With the overlap scheduler, a step whose chunks all end greedy prompts launches each prompt's first
-drafts from its chosen id on the device (`Drafter.draft_arrivals`). When the drafter takes every
+With the overlap scheduler, a step whose chunks all end greedy prompts (alone, or leading verify
+segments that all drafted ahead) launches each prompt's first drafts from its chosen id on the
+device (`Drafter.draft_arrivals`). When the drafter takes every
 request, each is advanced on the host as if its first token were read (generating, its count one
 short of its prompt: the launch's `committed` is 1), so the next step continues it from the device
 rows and the prompt step is read one step late (`SpecStep.arrivals_ahead`).
@@ -19,7 +20,7 @@ from ..speculative.interface import Drafter
 
 def launch_arrivals(drafter: Drafter, reqs: list[LlmRequest], segments: list[ForwardSegment], out: ForwardOutput,
                     ids: torch.Tensor) -> tuple[Optional[DraftsAhead], bool]:
-    """ids [len(reqs)]: the chosen token per request, on the device. Returns (the launch or None,
+    """reqs, segments: the step's prompt chunks; ids [len(reqs)]: the chosen token per request, on the device. Returns (the launch or None,
     whether it took every request: then the requests are advanced as above; otherwise they stay
     prompts until the step is read, as any prompt step's)."""
     if any(not s.num_logits for s in segments) or any(r.context_only or not r.sampling_params.greedy for r in reqs):

@@ -45,8 +45,8 @@ class SpecStep:
     live: list[int]                    # indices into reqs of the verify rows, in order
     verify_width: int
     ahead: Optional[DraftsAhead]       # the next drafts, launched from the device-side verify rows
-    # a prompt-only step whose every request `ahead` drafted from its chosen id on the device (they
-    # continue from those rows: generating, each one position short of its prompt on the host)
+    # a step whose every prompt chunk ends a prompt that `ahead` drafted from its chosen id on the device
+    # (they continue from those rows: generating, each one position short of its prompt on the host)
     arrivals_ahead: bool = False
 
     def read(self) -> tuple[list[int], list[Optional[list[int]]]]:
@@ -64,9 +64,11 @@ class SpecStep:
     def deferrable(self) -> bool:
         """Its reading may wait a step: every verified request drafted ahead (its next segment can be
         launched from the device rows), and no prompt chunk unless every arrival was (`arrivals_ahead`)."""
-        if self.num_ctx:
-            return self.arrivals_ahead
-        if self.ahead is None or not self.live:
+        if self.num_ctx and not self.arrivals_ahead:
+            return False
+        if not self.live:
+            return self.num_ctx > 0
+        if self.ahead is None:
             return False
         reqs, rows = self.reqs, self.ahead.rows
         return all(reqs[i].request_id in rows for i in self.live)

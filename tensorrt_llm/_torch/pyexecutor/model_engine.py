@@ -8,18 +8,18 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence
 
+import numpy as np
 import torch
 
-from ..attention_backend.interface import (FP8_KV_DTYPES, AttentionBackend, AttentionMetadata, device_positions,
-                                           host_ints)
+from ..attention_backend.interface import FP8_KV_DTYPES, AttentionBackend, AttentionMetadata, host_ints
 from ..runtime.device import is_device_fault
 from ..runtime.llm_request import LlmRequest
 from ..runtime.step import ForwardOutput, ForwardSegment
 from ..runtime.token_rows import gather_shifts
-from .cuda_graph_runner import CUDAGraphRunner, stage_input_ids
+from .cuda_graph_runner import CUDAGraphRunner
 from .kv_cache.resource_manager import KVCacheManager
-from .packed_graph_runner import PackedGraphRunner
-from .piecewise_graph_runner import PiecewiseGraphRunner
+from .packed_graph_runner import PackedGraphRunner, shift_tokens
+from .piecewise_graph_runner import PiecewiseGraphRunner, pack_segments, segment_lengths
 
 if TYPE_CHECKING:
     from .spec_step_graph import SpecLaunch, SpecStepGraph
@@ -75,7 +75,7 @@ class ModelEngine:
             max_tokens = max(max_num_tokens, tokens_per_gen)
             if backend.capabilities.ragged_graphs:
                 self.packed = PackedGraphRunner(model, kv, backend, self.kv_caches, device, max_tokens,
-                                                max_batch_size, self.capture_layer_ids)
+                                                max_batch_size, self.capture_layer_ids, max_shift=tokens_per_gen)
             else:
                 self.piecewise = PiecewiseGraphRunner(model, kv, backend, self.kv_caches, device, max_tokens,
                                                       self.capture_layer_ids)
@@ -135,18 +135,14 @@ class ModelEngine:
     @torch.inference_mode()
     def forward(self, segments: Sequence[ForwardSegment], prompt_segments: int = 0) -> ForwardOutput:
         """The target forward of the step's segments: logits of the wanted rows, captured rows.
-        A step with continued segments (`start_shift`) runs the whole-step graph or `_continued`.
+        A step with continued segments (`start_shift`; prompt chunks may lead it) runs the whole-step
+        graph, the packed-step graph or `_continued`.
         The first `prompt_segments` are prompt chunks: the packed-step graph writes their draft
         context when it carries the drafter's writer (`ForwardOutput.context_segments`)."""
-        if any(s.start_shift is not None for s in segments):
+        shifted = any(s.start_shift is not None for s in segments)
+        if shifted:
             check_continued(segments, self.backend)
             self.num_continued_steps += 1
-            out = self.graph_runner.run(segments) if self.graph_runner is not None else None
-            if out is not None:
-                self.paths.target_graph += 1
-                return out
-            self.paths.eager += 1
-            return self._continued(segments)
         if self.graph_runner is not None:
             out = self.graph_runner.run(segments)
             if out is not None:
@@ -156,12 +152,12 @@ class ModelEngine:
             if out is not None:
                 self.paths.packed_graph += 1
                 return out
-            out = self.piecewise.run(segments) if self.piecewise is not None else None
+            out = self.piecewise.run(segments) if self.piecewise is not None and not shifted else None
             if out is not None:
                 self.paths.piecewise += 1
                 return out
         self.paths.eager += 1
-        return self._eager(segments)
+        return self._continued(segments) if shifted else self._eager(segments)
 
     def _eager(self, segments: Sequence[ForwardSegment]) -> ForwardOutput:
         """One packed forward of `segments` (any mix of prompt chunks and generation)."""
@@ -190,39 +186,43 @@ class ModelEngine:
         return ForwardOutput(logits, logits_offsets, cap, token_offsets)
 
     def _continued(self, segments: Sequence[ForwardSegment]) -> ForwardOutput:
-        """The eager forward of generation segments of one length q whose starts may lie on the device
-        (start + start_shift): positions, slots and KV lengths are computed there, so no host value
-        of the step in flight is needed (the backend reads lengths on the device)."""
-        b, q, dev = len(segments), len(segments[0].token_ids), self.device
-        rids = [s.request_id for s in segments]
-        starts = host_ints([s.start for s in segments], dev)
-        shift = torch.empty(b, dtype=torch.long, device=dev)
-        gather_shifts(shift, [s.start_shift for s in segments])
-        start = starts + shift
-        table = host_ints(self.kv.page_table[self.kv.rows(rids)], dev, torch.int32)
-        pos, slots = device_positions(start, q, table, self.kv.tokens_per_block)
-        bound = max(s.start for s in segments) + self.max_shift + q
-        md = AttentionMetadata(seq_lens=[q] * b, num_cached=[s.start for s in segments], block_tables=table,
-                               slot_mapping=slots, tokens_per_block=self.kv.tokens_per_block, causal=True,
-                               kv_lens_device=(start + q).to(torch.int32), kv_len_bound=bound)
+        """The eager forward of a step some of whose generation segments start on the device (start +
+        start_shift), packed in step order beside prompt chunks and other segments: positions, slots
+        and KV lengths are moved there (`shift_tokens`), so no host value of the step in flight is
+        needed (the backend reads lengths on the device)."""
+        lens, dev, b = segment_lengths(segments), self.device, len(segments)
+        n = sum(lens)
+        rows = self.kv.rows([s.request_id for s in segments])
+        starts = np.fromiter((s.start for s in segments), dtype=np.int64, count=b)
+        host = np.empty((4, n), dtype=np.int64)       # ids | positions | slots | shift index
+        packed = pack_segments(segments, lens, host[0], host[1])
+        _, host[2] = self.kv.packed_slots(rows, starts, lens)
+        shifted = np.fromiter((s.start_shift is not None for s in segments), dtype=bool, count=b)
+        host[3] = np.where(np.repeat(shifted, lens), np.repeat(np.arange(b), lens), b)
+        io = host_ints(host, dev)
+        ids, pos, slots, index = io[0], io[1], io[2], io[3]
+        packed.gather_device_tokens(ids)
+        shifts = torch.empty(b + 1, dtype=torch.long, device=dev)
+        gather_shifts(shifts, [s.start_shift for s in segments])
+        table = host_ints(self.kv.page_table[rows], dev, torch.int32)
+        kv_lens = host_ints(starts + np.asarray(lens, dtype=np.int64), dev, torch.int32)
+        shift_tokens(pos, slots, kv_lens, index, shifts, table, self.kv.tokens_per_block)
+        bound = int((starts + lens).max()) + self.max_shift
+        md = AttentionMetadata(seq_lens=lens, num_cached=starts.tolist(), block_tables=table, slot_mapping=slots,
+                               tokens_per_block=self.kv.tokens_per_block, causal=True, kv_lens_device=kv_lens,
+                               kv_len_bound=bound)
         self.backend.prepare(md)
-        ids = torch.empty(b, q, dtype=torch.long, device=dev)
-        stage_input_ids(ids, segments)
-        hidden, captured = self.model(ids.view(-1), pos.view(-1), self.kv_caches, md, self.backend,
-                                      self.capture_layer_ids)
-        logits = self.model.compute_logits(hidden)
-        offsets = list(range(0, b * q, q))
-        return ForwardOutput(logits, offsets, torch.cat(captured, dim=-1) if captured else None, offsets)
+        hidden, captured = self.model(ids, pos, self.kv_caches, md, self.backend, self.capture_layer_ids)
+        return packed.output(self.model, hidden, torch.cat(captured, dim=-1) if captured else None)
 
 
 def check_continued(segments: Sequence[ForwardSegment], backend: AttentionBackend) -> None:
-    """ValueError unless a step with continued segments can run: generation segments of one length,
-    logits for every token, and a backend that reads KV lengths on the device."""
+    """ValueError unless a step with continued segments can run: a backend that reads KV lengths on
+    the device, and every continued segment a generation segment (logits for every token)."""
     if not backend.capabilities.device_lengths:
         raise ValueError(f"continued segments need an attention backend that reads KV lengths on the device; "
                          f"{backend.name} plans on the host")
-    q = len(segments[0].token_ids)
-    bad = [s.request_id for s in segments if len(s.token_ids) != q or s.num_logits != q]
+    bad = [s.request_id for s in segments if s.start_shift is not None and s.num_logits != len(s.token_ids)]
     if bad:
-        raise ValueError(f"a step with continued segments holds only generation segments of one length "
-                         f"({q}); requests {bad[:8]} differ")
+        raise ValueError(f"a continued segment is a generation segment (a logit per token); requests "
+                         f"{bad[:8]} are not")

@@ -10,11 +10,17 @@ only on device tensors staged with one copy. Per token bucket T, one graph over 
 max_requests) request rows::
 
     io (int64 words): [ input_ids (T) | positions (T) | slot_mapping (T) | draft_slots (T) |
+                        shift_index (T) | shifts (R + 1) |
                         int32: kv_lens (R) | qo_indptr (R + 1) | block_tables (R x W) ]
 
     real segments    : rows 0..n-1 packed in step order (request b: qo_indptr[b]..qo_indptr[b+1]-1)
     padding requests : rows B..R-1: no query rows (qo_indptr = n), KV length 0, table [scratch, -1..]
     padding tokens   : rows n..T-1: position 0, slots in the scratch page (written, never read)
+    continued        : a generation segment whose start lies on the device (`start_shift`, the
+                       overlap scheduler's DSpark step beside prompt chunks): shifts[b] is gathered
+                       from the step in flight's rows; its tokens' shift_index is b, every other
+                       token's R (shifts[R] = 0); the graph moves their positions, slots and the
+                       request's KV length by it (`shift_tokens`)
 
 The forward is the model's own (`model(...)`, attention inside): hidden [T, H] and the captured
 rows [T, c*H] are the graph's outputs; the logits of the wanted rows are computed after it. With a
@@ -38,6 +44,7 @@ import torch
 from ..attention_backend.interface import BAD_PAGE_INDEX, AttentionBackend, AttentionMetadata
 from ..runtime.cuda_graph import GraphCache, GraphEntry
 from ..runtime.step import ForwardOutput, ForwardSegment
+from ..runtime.token_rows import gather_shifts
 from ..speculative.interface import Drafter
 from .kv_cache.resource_manager import KVCacheManager
 from .piecewise_graph_runner import STARTUP_CAPTURE_TOKENS, pack_segments, segment_lengths, token_buckets
@@ -64,7 +71,8 @@ class PackedGraphRunner:
 
     def __init__(self, model: torch.nn.Module, kv: KVCacheManager, backend: AttentionBackend,
                  kv_caches: Sequence[torch.Tensor], device: torch.device, max_tokens: int, max_requests: int,
-                 capture_layer_ids: Sequence[int] = (), capture: bool = True):
+                 capture_layer_ids: Sequence[int] = (), capture: bool = True, max_shift: int = 0):
+        """max_shift: the most positions a continued segment starts late (the widest verify segment)."""
         if not (backend.capabilities.ragged_graphs and backend.capabilities.device_lengths):
             raise ValueError(f"packed-step graphs need an attention backend with device query offsets and "
                              f"lengths (ragged_graphs); {backend.name} has none")
@@ -74,6 +82,7 @@ class PackedGraphRunner:
         self.capture_layer_ids = list(capture_layer_ids)
         self.buckets = token_buckets(max_tokens)
         self.max_requests = max_requests
+        self.max_shift = max_shift
         self.scratch_page = kv.scratch_page()
         self.graphs: GraphCache[_PackedEntry] = GraphCache(device, capture)
         self.num_steps = 0
@@ -87,9 +96,9 @@ class PackedGraphRunner:
     @torch.inference_mode()
     def run(self, segments: Sequence[ForwardSegment], prompt_segments: int = 0) -> Optional[ForwardOutput]:
         """The forward of `segments` packed in step order, or None when this runner declines the step
-        (more tokens than the largest bucket, or a slot beyond a request's pages). The first
-        `prompt_segments` are prompt chunks: with `context` set, their draft context is written too
-        (`ForwardOutput.context_segments`)."""
+        (more tokens than the largest bucket, a slot beyond a request's pages, or a continued
+        segment's furthest shifted slot beyond them). The first `prompt_segments` are prompt chunks:
+        with `context` set, their draft context is written too (`ForwardOutput.context_segments`)."""
         lens = segment_lengths(segments)
         n, b = sum(lens), len(segments)
         t = self.bucket_for(n)
@@ -100,16 +109,21 @@ class PackedGraphRunner:
         rows = kv.rows([s.request_id for s in segments])
         starts = np.fromiter((s.start for s in segments), dtype=np.int64, count=b)
         _, slots = kv.packed_slots(rows, starts, lens)
-        if (slots < 0).any():
+        shifts = [s.start_shift for s in segments]
+        shifted = np.fromiter((sh is not None for sh in shifts), dtype=bool, count=b)
+        if (slots < 0).any() or (shifted.any() and not kv.owns_span(
+                rows[shifted], starts[shifted], np.asarray(lens)[shifted] + self.max_shift).all()):
             self.num_declined += 1
             return None
         e = self.graphs.entry(t, lambda: self._new_entry(t))
         if e.copied is not None:
             e.copied.synchronize()     # the previous step of this bucket has left the staging buffer
-        ids, pos, slot, dslot, lens_v, qo, table = e.host_views
+        ids, pos, slot, dslot, shift_index, _, lens_v, qo, table = e.host_views
         packed = pack_segments(segments, lens, ids, pos)
         slot[:n] = slots
         self._pad_rows(e, n)
+        if shifted.any():
+            shift_index[:n] = np.where(np.repeat(shifted, lens), np.repeat(np.arange(b), lens), e.requests)
         prompt_rows = sum(lens[:prompt_segments]) if self.context is not None else 0
         dslot[:prompt_rows] = slots[:prompt_rows]
         lens_v[:b] = starts + np.asarray(lens, dtype=np.int64)
@@ -120,6 +134,8 @@ class PackedGraphRunner:
         np.take(kv.page_table, rows, axis=0, out=table[:b])
         e.io.copy_(e.host, non_blocking=True)
         packed.gather_device_tokens(e.io[:t])          # queued behind the steps that made them
+        if shifted.any():
+            gather_shifts(self._views(e.io, t, e.requests, kv.max_blocks_per_seq)[5], shifts)
         if e.io.is_cuda:
             if e.copied is None:          # one event per entry, re-recorded by every copy
                 e.copied = torch.cuda.Event()
@@ -135,7 +151,7 @@ class PackedGraphRunner:
         """Capture every token bucket up to `STARTUP_CAPTURE_TOKENS` now, on padding rows only (the engine
         calls it once at startup; larger buckets at their first step). Returns how many were captured."""
         def stage(e: _PackedEntry) -> None:
-            ids, pos, _, _, lens_v, qo, _ = e.host_views
+            ids, pos, _, _, _, _, lens_v, qo, _ = e.host_views
             ids[:] = 0
             pos[:] = 0
             self._pad_rows(e, 0)
@@ -148,8 +164,10 @@ class PackedGraphRunner:
     def _pad_rows(self, e: _PackedEntry, n: int) -> None:
         """Padding tokens n..T-1 write into the scratch page, and every row's draft context (the
         caller then points the prompt rows at their slots); padding requests own only it (their rows
-        are rewritten over the real ones' by the next step's staging)."""
-        _, _, slot, dslot, _, _, table = e.host_views
+        are rewritten over the real ones' by the next step's staging); no token is shifted."""
+        _, _, slot, dslot, shift_index, shifts, _, _, table = e.host_views
+        shift_index[:] = e.requests
+        shifts[:] = 0
         p = self.kv.tokens_per_block
         scratch = self.scratch_page * p + np.arange(e.tokens, dtype=np.int64) % p
         slot[n:] = scratch[n:]
@@ -159,14 +177,14 @@ class PackedGraphRunner:
 
     def _new_entry(self, t: int) -> _PackedEntry:
         r, width, dev = min(t, self.max_requests), self.kv.max_blocks_per_seq, self.device
-        n32 = r + (r + 1) + r * width                     # int32 values after the 4T int64 words
-        words = 4 * t + -(-n32 // 2)
+        n32 = r + (r + 1) + r * width                     # int32 values after the 5T + R + 1 int64 words
+        words = 5 * t + r + 1 + -(-n32 // 2)
         io = torch.zeros(words, dtype=torch.long, device=dev)
         host = torch.zeros(words, dtype=torch.long, pin_memory=dev.type == "cuda")
         dv, hv = self._views(io, t, r, width), self._views(host, t, r, width)
-        md = AttentionMetadata(seq_lens=[0] * r, num_cached=[0] * r, block_tables=dv[6], slot_mapping=dv[2],
-                               tokens_per_block=self.kv.tokens_per_block, causal=True, kv_lens_device=dv[4],
-                               kv_len_bound=width * self.kv.tokens_per_block, qo_indptr_device=dv[5],
+        md = AttentionMetadata(seq_lens=[0] * r, num_cached=[0] * r, block_tables=dv[8], slot_mapping=dv[2],
+                               tokens_per_block=self.kv.tokens_per_block, causal=True, kv_lens_device=dv[6],
+                               kv_len_bound=width * self.kv.tokens_per_block, qo_indptr_device=dv[7],
                                max_q_bound=t, slots_all_valid=True)
         self.backend.prepare(md)
         if self.graphs.capture:
@@ -176,16 +194,39 @@ class PackedGraphRunner:
 
     @staticmethod
     def _views(buf: torch.Tensor, t: int, r: int, width: int) -> tuple[torch.Tensor, ...]:
-        """(input_ids [T], positions [T], slot_mapping [T], draft_slots [T] int64; kv_lens [R],
-        qo_indptr [R + 1], block_tables [R, W] int32) views of an io buffer."""
-        i32 = buf[4 * t:].view(torch.int32)
-        return (buf[:t], buf[t:2 * t], buf[2 * t:3 * t], buf[3 * t:4 * t], i32[:r], i32[r:2 * r + 1],
-                i32[2 * r + 1:2 * r + 1 + r * width].view(r, width))
+        """(input_ids [T], positions [T], slot_mapping [T], draft_slots [T], shift_index [T],
+        shifts [R + 1] int64; kv_lens [R], qo_indptr [R + 1], block_tables [R, W] int32) views of an
+        io buffer."""
+        i32 = buf[5 * t + r + 1:].view(torch.int32)
+        return (buf[:t], buf[t:2 * t], buf[2 * t:3 * t], buf[3 * t:4 * t], buf[4 * t:5 * t], buf[5 * t:5 * t + r + 1],
+                i32[:r], i32[r:2 * r + 1], i32[2 * r + 1:2 * r + 1 + r * width].view(r, width))
 
     def _forward(self, e: _PackedEntry) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        ids, pos = e.io[:e.tokens], e.io[e.tokens:2 * e.tokens]
+        t = e.tokens
+        _, pos, slot, _, shift_index, shifts, kv_lens, _, table = self._views(e.io, t, e.requests,
+                                                                              self.kv.max_blocks_per_seq)
+        shift_tokens(pos, slot, kv_lens, shift_index, shifts, table, self.kv.tokens_per_block)
+        ids = e.io[:t]
         hidden, captured = self.model(ids, pos, self.kv_caches, e.md, self.backend, self.capture_layer_ids)
         cap = torch.cat(captured, dim=-1) if captured else None
         if self.context is not None and cap is not None:
-            self.context.write_forward_context(cap, pos, e.io[3 * e.tokens:4 * e.tokens])
+            self.context.write_forward_context(cap, pos, e.io[3 * t:4 * t])
         return hidden, cap
+
+
+def shift_tokens(positions: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor, shift_index: torch.Tensor,
+                 shifts: torch.Tensor, block_tables: torch.Tensor, page_size: int) -> None:
+    """Move the tokens of continued segments to where they really start, in place and on the device.
+
+    positions, slots [T] int64 (host-staged: the segments' host starts); kv_lens [R] int32;
+    shift_index [T] int64: token t belongs to continued segment shift_index[t] < R, or to none (R);
+    shifts [R + 1] int64 (shifts[R] = 0); block_tables [R, W] int32. A moved token's slot is looked
+    up at its new position (-1 past the table or on an unallocated page: the writes skip it)."""
+    r, w = block_tables.shape
+    sh = shifts[shift_index]
+    positions.add_(sh)
+    kv_lens.add_(shifts[:r].to(kv_lens.dtype))
+    col = positions // page_size
+    pages = block_tables.long()[shift_index.clamp(max=r - 1), col.clamp(max=w - 1)]
+    moved = torch.where((pages >= 0) & (col < w), pages * page_size + positions % page_size, -1)
+    slots.copy_(torch.where(sh != 0, moved, slots))

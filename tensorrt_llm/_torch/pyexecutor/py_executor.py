@@ -72,9 +72,8 @@ class PyExecutor:
         self.iterations = 0
         self.prompt_steps = 0            # steps with a prompt chunk
         self.reads_before_launch = 0     # DSpark steps in flight read before the next launch
-        self.prompts_beside_flight = 0   # prompt-only steps launched while a DSpark step ran on
+        self.prompts_beside_flight = 0   # steps with prompt chunks launched while a DSpark step ran on
         self.prompts_read_late = 0       # prompt steps read one step late (their drafts launched ahead)
-        self._prompt_only_last = False   # the previous step was one of those
         self.step_seconds = 0.0          # wall seconds inside `step` (launches, reads and waits)
         self.prompt_step_seconds = 0.0   # the share of it in steps with a prompt chunk
         self.fatal_error: Optional[str] = None
@@ -194,9 +193,8 @@ class PyExecutor:
         # nothing runs and nothing was scheduled: the head of the queue can never fit (decided before
         # reading a step in flight, whose finished requests free pages for the next admission)
         stalled = batch.empty and bool(self.scheduler.waiting) and not self.scheduler.running
-        prompt_only_before, self._prompt_only_last = self._prompt_only_last, False
         if self._spec_inflight is not None:
-            self._continue_or_complete(batch, prompt_only_before)
+            self._continue_or_complete(batch)
         if batch.empty:
             if self._inflight is not None or self._spec_inflight is not None:
                 self._notices = []
@@ -385,8 +383,11 @@ class PyExecutor:
                 segs = [VerifiedSegment(reqs[i], out.token_offsets[i], segments[i].start, len(segments[i].token_ids),
                                         j, segments[i].start_shift) for j, i in enumerate(live)]
                 ahead = drafter.draft_ahead(segs, ver, out.captured)
-            elif self.spec_overlap and num_ctx == len(reqs) and ids is not None and out.captured is not None:
-                ahead, arrivals = launch_arrivals(drafter, reqs, segments, out, ids)
+            # the arrivals draft ahead too when the rest of the step may be read late
+            rest_ahead = not live or (ahead is not None and all(reqs[i].request_id in ahead.rows for i in live))
+            if self.spec_overlap and num_ctx and ids is not None and out.captured is not None and rest_ahead:
+                first, arrivals = launch_arrivals(drafter, reqs[:num_ctx], segments[:num_ctx], out, ids)
+                ahead = first if ahead is None else ahead.join(first) if first is not None else ahead
         except Exception as e:
             if is_device_fault(e):
                 raise
@@ -409,37 +410,26 @@ class PyExecutor:
         if step is not None:
             self._complete(step)
 
-    def _continue_or_complete(self, batch: ScheduledBatch, prompt_only_before: bool) -> None:
+    def _continue_or_complete(self, batch: ScheduledBatch) -> None:
         """With a DSpark step in flight: keep its continuable requests in this step (launched from
         its device rows before it is read) and leave out those it may finish by length (they wait
-        one step). A step with prompt chunks runs them alone while the step in flight keeps running
-        (read after this launch; its requests continue at the next step, in one graph again), but
-        never twice in a row, so that generation is not held back by a stream of arrivals: then, as
-        when nothing could continue, the step in flight is read first and the step mixes both. After
-        a prompt-only step read late (its arrivals continue from its device rows) the new prompts wait
-        one step instead, so the two kinds alternate and neither waits for a read."""
+        one step). Prompt chunks join them (a mixed step: the chunks lead, the continued segments
+        follow, `ModelEngine.forward`), so arrivals hold no generation back. When nothing continues,
+        the step in flight is read first."""
         gens = batch.generation_requests
         kept, continuing = self._spec_inflight.continuable(gens)
-        if batch.context_requests and continuing and not prompt_only_before:
-            batch.generation_requests = []
-            self.prompts_beside_flight += 1
-            self._prompt_only_last = True
-            return
-        if batch.context_requests and continuing and self._spec_inflight.arrivals_ahead:
-            batch.context_requests, batch.context_chunks = [], []
+        if continuing:
             batch.generation_requests = kept
+            self.prompts_beside_flight += int(bool(batch.context_requests))
             return
-        if batch.context_requests or not continuing:
-            self.reads_before_launch += 1
-            self._notices = []
-            try:
-                self._complete_spec_inflight()
-                self._retire_finished()
-            finally:
-                self._flush_notices()
-            batch.generation_requests = [r for r in gens if not r.is_finished]
-        else:
-            batch.generation_requests = kept
+        self.reads_before_launch += 1
+        self._notices = []
+        try:
+            self._complete_spec_inflight()
+            self._retire_finished()
+        finally:
+            self._flush_notices()
+        batch.generation_requests = [r for r in gens if not r.is_finished]
 
     def _choose_on_device(self, reqs: list[LlmRequest], segments: list[ForwardSegment],
                           out: ForwardOutput) -> Optional[torch.Tensor]:

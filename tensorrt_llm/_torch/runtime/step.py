@@ -89,6 +89,19 @@ class DraftsAhead:
     tokens: PendingTokens
     first: int = 0       # column of `committed`
 
+    def join(self, other: "DraftsAhead") -> "DraftsAhead":
+        """Both launches' rows as one (one device copy; the two launches of a step with prompt chunks
+        beside verify segments). ValueError when their layouts differ or a request is in both."""
+        if (self.first, self.tokens.width) != (other.first, other.tokens.width):
+            raise ValueError(f"drafts ahead of different layouts: first column {self.first} / {other.first}, "
+                             f"width {self.tokens.width} / {other.tokens.width}")
+        both = self.rows.keys() & other.rows.keys()
+        if both:
+            raise ValueError(f"requests {sorted(both)[:8]} were drafted ahead twice in one step")
+        n = self.tokens.num_rows
+        rows = {**self.rows, **{rid: n + j for rid, j in other.rows.items()}}
+        return DraftsAhead(rows, PendingTokens(torch.cat([self.tokens.device, other.tokens.device])), self.first)
+
     def drafts(self, request_id: int) -> TokenRow:
         """[d1..dK] of a request."""
         return TokenRow(self.tokens, self.rows[request_id], self.tokens.width - self.first - 2, self.first + 2)

@@ -1,6 +1,6 @@
-"""Arrivals drafted before the host reads their first tokens (`pyexecutor/arrival_drafts.py`): a
-prompt-only step launches its prompts' first drafts from the chosen ids on the device and is read one
-step late; prompts arriving meanwhile wait one step. Outputs equal no-spec greedy."""
+"""Arrivals drafted before the host reads their first tokens (`pyexecutor/arrival_drafts.py`): a step
+with prompt chunks (alone, or leading the running requests' continued segments) launches its prompts'
+first drafts from the chosen ids on the device and is read one step late. Outputs equal no-spec greedy."""
 from __future__ import annotations
 
 import random
@@ -48,25 +48,51 @@ def test_arrivals_are_read_one_step_late(make_llm, tiny_llama_dir, tiny_drafters
     assert bad != ref
 
 
-def test_prompts_wait_one_step_after_arrivals_read_late(make_llm, tiny_llama_dir, tiny_drafters, monkeypatch):
-    """After a prompt-only step read late, new prompts sit out one step (its arrivals continue with the
-    running requests, nothing is read first): seen at least once over many short requests; lossless."""
-    held = []
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_prompts_join_the_continued_segments_in_one_step(make_llm, tiny_llama_dir, tiny_drafters, monkeypatch,
+                                                         kind):
+    """A prompt arriving while a DSpark step is in flight runs in the same step as the running requests'
+    continued verify segments (a mixed step, launched before the step in flight is read), and such a
+    step whose prompts all end drafts them ahead too, so it is read one step late: seen many times over
+    many short requests; output equals no-spec greedy. Negative control: the mixed steps' continued
+    segments one position late on the device (their shift + 1 in `shift_tokens`) change the output."""
+    mixed = []
     real = PyExecutor._continue_or_complete
 
-    def counting(self, batch, prompt_only_before):
-        n = len(batch.context_requests)
-        real(self, batch, prompt_only_before)
-        held.append(n and not batch.context_requests and bool(batch.generation_requests))
+    def counting(self, batch):
+        real(self, batch)
+        mixed.append(bool(batch.context_requests) and self._spec_inflight is not None
+                     and bool(batch.generation_requests))
     monkeypatch.setattr(PyExecutor, "_continue_or_complete", counting)
     rng = random.Random(7)
     prompts = random_prompts(rng, 30)
     params = [SamplingParams(max_tokens=rng.randrange(2, 40), ignore_eos=True) for _ in prompts]
     want, _, _ = generate_run(make_llm, tiny_llama_dir, prompts, params, overlap=False)
-    got, stats, _ = generate_run(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters["gqa"],
-                                 max_batch_size=4)
+    got, stats, ex = generate_run(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters[kind],
+                                  max_batch_size=4)
     assert got == want
-    assert sum(held) > 0 and stats["steps"]["prompts_read_late"] > 0
+    assert sum(mixed) >= 5 and ex.prompts_beside_flight == sum(mixed)
+    # most mixed steps drafted their arrivals ahead and were read late
+    assert stats["steps"]["prompts_read_late"] >= sum(mixed) // 2
+
+    from tensorrt_llm._torch.pyexecutor import model_engine
+    real_shift = model_engine.shift_tokens
+
+    def late(positions, slots, kv_lens, shift_index, shifts, block_tables, page_size):
+        if shift_index.numel() and bool((shift_index < shifts.shape[0] - 1).any()) and ex_ref.mixed:
+            shifts = shifts + (torch.arange(shifts.shape[0]) < shifts.shape[0] - 1).to(shifts.dtype)
+        real_shift(positions, slots, kv_lens, shift_index, shifts, block_tables, page_size)
+
+    class ex_ref:
+        mixed = False
+
+    def flag(self, batch):
+        real(self, batch)
+        ex_ref.mixed = bool(batch.context_requests) and self._spec_inflight is not None
+    monkeypatch.setattr(PyExecutor, "_continue_or_complete", flag)
+    monkeypatch.setattr(model_engine, "shift_tokens", late)
+    bad, _, _ = generate_run(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters[kind], max_batch_size=4)
+    assert bad != want
 
 
 @pytest.mark.parametrize("kind", ["gqa", "mla"])

@@ -37,13 +37,13 @@ def _engine(model, backend, device, dtype=torch.float32):
     layers, kv_heads, head_dim = model.kv_cache_layout()
     kv = KVCacheManager([KVCacheSpec("target", "gqa", layers, 2, kv_heads, head_dim, dtype)],
                         num_pages=48, tokens_per_block=16, max_seq_len=192, device=device)
-    return ModelEngine(model, kv, backend, device, capture_layer_ids=LAYERS)
+    return ModelEngine(model, kv, backend, device, capture_layer_ids=LAYERS, tokens_per_gen=4)
 
 
 def _runner(engine, capture: bool, max_tokens=64, max_requests=8):
     from tensorrt_llm._torch.pyexecutor.packed_graph_runner import PackedGraphRunner
     return PackedGraphRunner(engine.model, engine.kv, engine.backend, engine.kv_caches, engine.device, max_tokens,
-                             max_requests, LAYERS, capture=capture)
+                             max_requests, LAYERS, capture=capture, max_shift=4)
 
 
 def _steps(g, prompts, pos):
@@ -97,11 +97,36 @@ def _run_steps(engine, ref, runner, device, tol):
         out, want = runner.run(chunk), ref.forward(chunk)                              # a chunk: no logits
         assert out.logits.shape[0] == want.logits.shape[0] == 0
         assert rel(out.captured.float(), want.captured.float()) < tol
-        # declined: a slot beyond the request's pages; more tokens than the largest bucket
+        # a prompt chunk leading continued verify segments (their starts shifted on the device by 2 and 3)
+        t4 = [torch.randint(3, 400, (4,), generator=g).tolist() for _ in range(2)]
+        host = [ForwardSegment(8, prompts[8][9:], 9, 1), ForwardSegment(0, t4[0], 8, 4), ForwardSegment(3, t4[1], 21, 4)]
+        want = ref.forward(host)
+        cont = _continued(host, device, [2, 3])
+        _check(runner.run(cont), want, host, tol)
+        _check(ref.forward(_continued(host, device, [2, 3])), want, host, tol)    # the eager continued step
+        _check(engine.forward(_continued(host, device, [2, 3])), want, host, tol)  # ... on the runner's backend
+        saved = [c.clone() for c in ref.kv_caches]
+        wrong = ref.forward(_continued(host, device, [2, 3], late=1))              # control: one position late
+        for c, c0 in zip(ref.kv_caches, saved):                                    # (its KV writes undone)
+            c.copy_(c0)
+        assert rel(wrong.logits[1:].float(), want.logits[1:].float()) > 0.1
+        # declined: a slot beyond the request's pages; more tokens than the largest bucket; a continued
+        # segment whose furthest shift reaches past its pages
         beyond = [ForwardSegment(2, [5] * 4, engine.kv.owned_tokens(2) - 2, 4)]
         assert runner.run(beyond) is None
         assert runner.run([ForwardSegment(8, [5] * 65, 9, 1)]) is None
-    assert runner.num_steps == 3 and runner.num_declined == 2
+        late = _continued([ForwardSegment(2, [5] * 4, engine.kv.owned_tokens(2) - 6, 4)], device, [1])
+        assert runner.run(late) is None
+    assert runner.num_steps == 4 and runner.num_declined == 3
+
+
+def _continued(segs, device, shifts, late=0):
+    """The step with its last len(shifts) segments continued: each starts shifts[i] positions before
+    its host start, that shift (+ late) on the device."""
+    rows = PendingTokens(torch.tensor([[x + late] for x in shifts], device=device))
+    k = len(segs) - len(shifts)
+    return segs[:k] + [ForwardSegment(s.request_id, s.token_ids, s.start - x, s.num_logits, rows.row(j, 1))
+                       for j, (s, x) in enumerate(zip(segs[k:], shifts))]
 
 
 def test_packed_steps_equal_eager_cpu(tiny_llama_dir):
