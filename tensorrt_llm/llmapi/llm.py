@@ -89,6 +89,7 @@ class LLM:
                  "steps": {"total": ex.iterations, "with_prompt_chunks": ex.prompt_steps,
                            "read_in_flight_first": ex.reads_before_launch,
                            "prompts_beside_in_flight": ex.prompts_beside_flight,
+                           "prompts_beside_one_graph": ex.prompts_beside_one_graph,
                            "prompts_read_late": ex.prompts_read_late, **dataclasses.asdict(ex.engine.paths),
                            "seconds": ex.step_seconds, "seconds_with_prompt_chunks": ex.prompt_step_seconds}}
         if self._executor.drafter is not None:

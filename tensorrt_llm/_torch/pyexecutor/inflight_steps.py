@@ -49,6 +49,10 @@ class SpecStep:
     # (they continue from those rows: generating, each one position short of its prompt on the host)
     arrivals_ahead: bool = False
 
+    @property
+    def parts(self) -> list["SpecStep"]:
+        return [self]
+
     def read(self) -> tuple[list[int], list[Optional[list[int]]]]:
         """(chosen id per logits row of the prompt ends; per request of `reqs` its verify row without
         padding, None when it has none): waits for this step's host copy only."""
@@ -85,3 +89,33 @@ class SpecStep:
         kept = [r for r in gens if (q := in_step.get(r.request_id)) is None
                 or (r.request_id in rows and len(r.output_token_ids) + q < r.sampling_params.max_tokens)]
         return kept, any(r.request_id in in_step for r in kept)
+
+
+@dataclass
+class SpecSteps:
+    """DSpark steps launched in one executor iteration and read together, in order: a step's prompt
+    chunks in their own (packed) graph beside its continued verify segments' one-graph step."""
+
+    parts: list[SpecStep]
+
+    def __post_init__(self):
+        aheads = [p.ahead for p in self.parts if p.ahead is not None]
+        self.ahead: Optional[DraftsAhead] = aheads[0] if aheads else None
+        for a in aheads[1:]:
+            self.ahead = self.ahead.join(a)
+
+    @property
+    def num_ctx(self) -> int:
+        return sum(p.num_ctx for p in self.parts)
+
+    @property
+    def deferrable(self) -> bool:
+        return all(p.deferrable for p in self.parts)
+
+    def continuable(self, gens: Sequence[LlmRequest]) -> tuple[list[LlmRequest], bool]:
+        """`SpecStep.continuable` over every part (each request is in one part at most)."""
+        kept, continuing = list(gens), False
+        for p in self.parts:
+            kept, c = p.continuable(kept)
+            continuing = continuing or c
+        return kept, continuing

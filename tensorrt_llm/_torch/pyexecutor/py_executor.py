@@ -28,7 +28,7 @@ from ..speculative.interface import Drafter
 from .arrival_drafts import launch_arrivals
 from .kv_cache.resource_manager import KVCacheManager
 from .model_engine import ModelEngine
-from .inflight_steps import OverlapStep, SpecStep, last_token_pending
+from .inflight_steps import OverlapStep, SpecStep, SpecSteps, last_token_pending
 from .scheduler import ScheduledBatch, Scheduler
 from .step_segments import build_segments
 from .stop_criteria import append_tokens
@@ -57,7 +57,7 @@ class PyExecutor:
         self.spec_overlap = (overlap and drafter is not None and drafter.drafts_on_device
                              and engine.backend.capabilities.device_lengths)
         self._inflight: Optional[OverlapStep] = None   # the launched step whose tokens are not read yet
-        self._spec_inflight: Optional[SpecStep] = None  # the launched DSpark step not read yet
+        self._spec_inflight: Optional[SpecStep | SpecSteps] = None  # the launched DSpark step(s) not read yet
         self._abort_ids: set[int] = set()
         self._release_ids: set[int] = set()      # context-only requests whose held pages go back
         self._abort_lock = threading.Lock()
@@ -74,6 +74,7 @@ class PyExecutor:
         self.reads_before_launch = 0     # DSpark steps in flight read before the next launch
         self.prompts_beside_flight = 0   # steps with prompt chunks launched while a DSpark step ran on
         self.prompts_read_late = 0       # prompt steps read one step late (their drafts launched ahead)
+        self.prompts_beside_one_graph = 0  # steps whose prompt chunks ran in their own graph beside a one-graph step
         self.step_seconds = 0.0          # wall seconds inside `step` (launches, reads and waits)
         self.prompt_step_seconds = 0.0   # the share of it in steps with a prompt chunk
         self.fatal_error: Optional[str] = None
@@ -224,8 +225,15 @@ class PyExecutor:
             num_ctx = len(batch.context_requests)
             self.prompt_steps += int(num_ctx > 0)
             try:   # a steady-state DSpark step runs as one graph; any other step the target forward
-                launch = self.engine.forward_spec(reqs, segments) if self.drafter is not None and not num_ctx else None
-                out = launch.out if launch is not None else self.engine.forward(segments, num_ctx)
+                launch = beside = None
+                if self.spec_overlap and 0 < num_ctx < len(reqs):   # prompt chunks beside the one-graph step
+                    beside = self.engine.forward_spec(reqs[num_ctx:], segments[num_ctx:])
+                if beside is not None:
+                    out = self.engine.forward(segments[:num_ctx], num_ctx)
+                else:
+                    launch = self.engine.forward_spec(reqs, segments) if self.drafter is not None and not num_ctx \
+                        else None
+                    out = launch.out if launch is not None else self.engine.forward(segments, num_ctx)
             except Exception as e:   # not a device fault: fail this step's requests, keep serving
                 if is_device_fault(e):
                     raise
@@ -239,7 +247,12 @@ class PyExecutor:
             if self.overlap:
                 self._launch_overlapped(reqs, segments, num_ctx, out)
             else:
-                step = self._launch_choice(reqs, segments, num_ctx, out, launch)
+                if beside is not None:   # read together, the prompts first
+                    self.prompts_beside_one_graph += 1
+                    step = SpecSteps([self._launch_choice(reqs[:num_ctx], segments[:num_ctx], num_ctx, out),
+                                      self._launch_choice(reqs[num_ctx:], segments[num_ctx:], 0, beside.out, beside)])
+                else:
+                    step = self._launch_choice(reqs, segments, num_ctx, out, launch)
                 prev, self._spec_inflight = self._spec_inflight, None
                 if prev is not None:
                     self._complete(prev)
@@ -394,8 +407,12 @@ class PyExecutor:
             logger.error("draft_ahead failed (%s: %s); drafting after the update", type(e).__name__, e)
         return SpecStep(reqs, segments, num_ctx, out, copy, n, live, k1, ahead, arrivals)
 
-    def _complete(self, step: "SpecStep") -> None:
+    def _complete(self, steps: "SpecStep | SpecSteps") -> None:
         """Read a launched step's choices and apply them: append + stop criteria, kv.commit, drafts."""
+        for step in steps.parts:
+            self._complete_part(step)
+
+    def _complete_part(self, step: "SpecStep") -> None:
         chosen, verified = step.read()
         commits = self._update_requests(step.reqs, step.segments, step.num_ctx, step.out, chosen, verified)
         if self.drafter is not None and commits:
@@ -414,8 +431,9 @@ class PyExecutor:
         """With a DSpark step in flight: keep its continuable requests in this step (launched from
         its device rows before it is read) and leave out those it may finish by length (they wait
         one step). Prompt chunks join them (a mixed step: the chunks lead, the continued segments
-        follow, `ModelEngine.forward`), so arrivals hold no generation back. When nothing continues,
-        the step in flight is read first."""
+        follow, `ModelEngine.forward`; or, where the continued segments make a one-graph step, the
+        chunks run in their own graph beside it, `SpecSteps`), so arrivals hold no generation back.
+        When nothing continues, the step in flight is read first."""
         gens = batch.generation_requests
         kept, continuing = self._spec_inflight.continuable(gens)
         if continuing:

@@ -90,17 +90,19 @@ class DraftsAhead:
     first: int = 0       # column of `committed`
 
     def join(self, other: "DraftsAhead") -> "DraftsAhead":
-        """Both launches' rows as one (one device copy; the two launches of a step with prompt chunks
-        beside verify segments). ValueError when their layouts differ or a request is in both."""
-        if (self.first, self.tokens.width) != (other.first, other.tokens.width):
-            raise ValueError(f"drafts ahead of different layouts: first column {self.first} / {other.first}, "
-                             f"width {self.tokens.width} / {other.tokens.width}")
+        """Both launches' rows as one, from their `committed` columns on (first = 0; one device copy):
+        the launches of one executor step (verify segments and arrivals). ValueError when their rows
+        differ after that column or a request is in both."""
+        a, b = self.tokens.width - self.first, other.tokens.width - other.first
+        if a != b:
+            raise ValueError(f"drafts ahead of different layouts: {a} / {b} columns from the committed count on")
         both = self.rows.keys() & other.rows.keys()
         if both:
             raise ValueError(f"requests {sorted(both)[:8]} were drafted ahead twice in one step")
         n = self.tokens.num_rows
         rows = {**self.rows, **{rid: n + j for rid, j in other.rows.items()}}
-        return DraftsAhead(rows, PendingTokens(torch.cat([self.tokens.device, other.tokens.device])), self.first)
+        ids = torch.cat([self.tokens.device[:, self.first:], other.tokens.device[:, other.first:]])
+        return DraftsAhead(rows, PendingTokens(ids))
 
     def drafts(self, request_id: int) -> TokenRow:
         """[d1..dK] of a request."""

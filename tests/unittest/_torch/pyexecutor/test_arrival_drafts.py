@@ -48,14 +48,19 @@ def test_arrivals_are_read_one_step_late(make_llm, tiny_llama_dir, tiny_drafters
     assert bad != ref
 
 
-@pytest.mark.parametrize("kind", ["gqa", "mla"])
+@pytest.mark.parametrize("kind,one_graph", [("gqa", True), ("mla", True), ("gqa", False), ("mla", False)])
 def test_prompts_join_the_continued_segments_in_one_step(make_llm, tiny_llama_dir, tiny_drafters, monkeypatch,
-                                                         kind):
+                                                         kind, one_graph):
     """A prompt arriving while a DSpark step is in flight runs in the same step as the running requests'
-    continued verify segments (a mixed step, launched before the step in flight is read), and such a
-    step whose prompts all end drafts them ahead too, so it is read one step late: seen many times over
-    many short requests; output equals no-spec greedy. Negative control: the mixed steps' continued
-    segments one position late on the device (their shift + 1 in `shift_tokens`) change the output."""
+    continued verify segments, launched before the step in flight is read: its chunks in their own
+    graph beside the continued one-graph step (`SpecSteps`), or, without the one-graph step, in one
+    mixed forward with them. Such a step whose prompts all end drafts them ahead too, so it is read one
+    step late: seen many times over many short requests; output equals no-spec greedy. Negative control
+    (mixed forward): the continued segments one position late on the device (their shift + 1 in
+    `shift_tokens`) change the output."""
+    from tensorrt_llm._torch.pyexecutor.model_engine import ModelEngine
+    if not one_graph:
+        monkeypatch.setattr(ModelEngine, "forward_spec", lambda self, reqs, segments: None)
     mixed = []
     real = PyExecutor._continue_or_complete
 
@@ -72,8 +77,15 @@ def test_prompts_join_the_continued_segments_in_one_step(make_llm, tiny_llama_di
                                   max_batch_size=4)
     assert got == want
     assert sum(mixed) >= 5 and ex.prompts_beside_flight == sum(mixed)
+    # beside the one-graph step where it took the generating segments (continued, or read on the host)
+    if one_graph:
+        assert ex.prompts_beside_one_graph >= 0.8 * sum(mixed)
+    else:
+        assert ex.prompts_beside_one_graph == 0
     # most mixed steps drafted their arrivals ahead and were read late
     assert stats["steps"]["prompts_read_late"] >= sum(mixed) // 2
+    if one_graph:
+        return
 
     from tensorrt_llm._torch.pyexecutor import model_engine
     real_shift = model_engine.shift_tokens
@@ -111,7 +123,7 @@ def test_arrivals_continue_in_the_one_graph_step(make_llm, tiny_llama_dir, tiny_
     steps = stats["steps"]
     assert got == want
     assert steps["prompts_read_late"] > 0
-    assert steps["one_graph"] == steps["total"] - steps["with_prompt_chunks"]
+    assert steps["one_graph"] == steps["total"] - steps["with_prompt_chunks"] + steps["prompts_beside_one_graph"]
 
 
 def test_an_arrival_left_out_of_the_launch_writes_its_context_once(make_llm, tiny_llama_dir, tiny_drafters,

@@ -123,7 +123,8 @@ def test_device_fault_fails_queued_and_submitted_requests_and_later_calls_raise(
 @pytest.mark.parametrize("spec", [False, True])
 def test_step_stats_count_every_step_once(tiny_llama_dir, tiny_drafters, make_llm, prompts, spec):
     """get_stats()["steps"]: each step ran one path (the one-graph DSpark step, the target's whole-step
-    graph, piecewise graphs or eager) and the paths add up to the steps; on the CPU (no CUDA graphs)
+    graph, piecewise graphs or eager), a step whose prompt chunks ran beside its one-graph step two,
+    and the paths add up to the steps plus those; on the CPU (no CUDA graphs)
     a DSpark engine runs its steady steps as the one-graph step's reference path, a no-spec engine
     every step eagerly. With more prompts than the batch, prompts arrive while a DSpark step is in
     flight, which is then read before the next launch. trtllm-bench rows carry the same counts."""
@@ -132,22 +133,24 @@ def test_step_stats_count_every_step_once(tiny_llama_dir, tiny_drafters, make_ll
     llm = make_llm(tiny_llama_dir, max_batch_size=3, **kw)
     before = llm.get_stats()["steps"]
     assert before == {"total": 0, "with_prompt_chunks": 0, "read_in_flight_first": 0, "prompts_beside_in_flight": 0,
-                      "prompts_read_late": 0, "one_graph": 0, "target_graph": 0, "packed_graph": 0, "piecewise": 0, "eager": 0,
+                      "prompts_beside_one_graph": 0, "prompts_read_late": 0, "one_graph": 0, "target_graph": 0, "packed_graph": 0, "piecewise": 0, "eager": 0,
                       "seconds": 0.0, "seconds_with_prompt_chunks": 0.0}
     row = run_concurrency(llm, prompts, 3, PARAMS)
     st = llm.get_stats()["steps"]
     assert row["steps"] == st                          # the level's delta (the engine was fresh)
     # step time: inside the level's wall time, the prompt steps' share of it positive and partial
     assert 0 < st["seconds_with_prompt_chunks"] < st["seconds"] <= row["elapsed_s"]
-    assert st["total"] == st["one_graph"] + st["target_graph"] + st["packed_graph"] + st["piecewise"] + st["eager"]
+    assert st["total"] + st["prompts_beside_one_graph"] == (st["one_graph"] + st["target_graph"] + st["packed_graph"]
+                                                            + st["piecewise"] + st["eager"])
     assert st["target_graph"] == st["packed_graph"] == st["piecewise"] == 0
     assert -(-len(prompts) // 3) <= st["with_prompt_chunks"] < st["total"]   # arrivals prefill 3 at most at once
     if spec:
         assert st["one_graph"] > st["total"] // 2 and st["read_in_flight_first"] > 0
-        assert st["prompts_beside_in_flight"] <= st["with_prompt_chunks"]
+        assert st["prompts_beside_one_graph"] <= st["prompts_beside_in_flight"] <= st["with_prompt_chunks"]
         assert 0 < st["prompts_read_late"] <= st["with_prompt_chunks"]
     else:
         assert st["one_graph"] == st["read_in_flight_first"] == st["prompts_beside_in_flight"] == 0
+        assert st["prompts_beside_one_graph"] == 0
         assert st["prompts_read_late"] == 0
         assert st["eager"] == st["total"]
 
