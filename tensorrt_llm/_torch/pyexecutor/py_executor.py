@@ -5,8 +5,9 @@ Runs in a background thread (`start()`), or step by step (`step()`) for tests. S
 reached only through `speculative.interface.Drafter`. Fault isolation: an error that belongs to
 one request (admission, its verify rows, its draft step, its post-processing) finishes that
 request alone with the error; a non-device error in a step's forward fails that step's
-requests; a device fault (CUDA error, out of memory) fails every in-flight request, and every
-later call raises at once.
+requests (where prompt chunks ran beside generation, the prompts alone: the rest runs on); a
+device fault (CUDA error, out of memory) fails every in-flight request, and every later call
+raises at once.
 """
 from __future__ import annotations
 
@@ -228,12 +229,18 @@ class PyExecutor:
                 launch = beside = None
                 if self.spec_overlap and 0 < num_ctx < len(reqs):   # prompt chunks beside the one-graph step
                     beside = self.engine.forward_spec(reqs[num_ctx:], segments[num_ctx:])
-                if beside is not None:
-                    out = self.engine.forward(segments[:num_ctx], num_ctx)
-                else:
-                    launch = self.engine.forward_spec(reqs, segments) if self.drafter is not None and not num_ctx \
-                        else None
-                    out = launch.out if launch is not None else self.engine.forward(segments, num_ctx)
+                if beside is None and self.drafter is not None and not num_ctx:
+                    launch = self.engine.forward_spec(reqs, segments)
+                try:
+                    out = launch.out if launch is not None else \
+                        self.engine.forward(segments[:num_ctx] if beside is not None else segments, num_ctx)
+                except Exception as e:   # prompt chunks beside generation: the prompts fail, the rest runs
+                    if is_device_fault(e) or not 0 < num_ctx < len(reqs):
+                        raise
+                    for req in reqs[:num_ctx]:
+                        self._fail(req, e)
+                    reqs, segments, num_ctx, launch, beside = reqs[num_ctx:], segments[num_ctx:], 0, beside, None
+                    out = launch.out if launch is not None else self.engine.forward(segments, 0)
             except Exception as e:   # not a device fault: fail this step's requests, keep serving
                 if is_device_fault(e):
                     raise

@@ -148,6 +148,55 @@ def test_request_the_pool_can_never_hold_is_refused_at_submission(tiny_llama_dir
         spec.shutdown()
 
 
+# ---- a forward error in a step whose prompts run beside the step in flight -------------------
+@pytest.mark.parametrize("kind,one_graph", [("gqa", True), ("mla", True), ("gqa", False)])
+def test_forward_error_beside_a_step_in_flight_fails_that_prompt_only(tiny_llama_dir, drafters, bounded, kind,
+                                                                      one_graph):
+    """A prompt whose forward raises (not a device fault) while a DSpark step is in flight, its chunk
+    beside the running requests' continued segments (in its own graph beside their one-graph step, or
+    in one mixed forward with them): that prompt alone finishes with the error, the running requests go
+    on, every other output equals no-spec greedy, the pages return and the engine keeps serving.
+    Checked the other way: the failing forward ran with a step in flight. (Before the prompts were
+    failed alone, the running requests of that step failed with it: 4 errors instead of 1.)"""
+    rng = random.Random(21)
+    llm = _llm(tiny_llama_dir, drafters[kind], max_seq_len=256, max_batch_size=4)
+    ref = _llm(tiny_llama_dir, max_seq_len=256)
+    ex = llm._executor
+    real, poisoned, seen = ex.engine.forward, 499, []
+    if not one_graph:
+        ex.engine.spec_step = None     # every step through `forward`: the prompt in one mixed forward
+
+    def forward(segments, prompt_segments=0):
+        if any(len(s.token_ids) and s.start == 0 and list(s.token_ids)[0] == poisoned for s in segments):
+            seen.append(ex._spec_inflight is not None)
+            raise ValueError("boom: a poisoned prompt")
+        return real(segments, prompt_segments)
+    ex.engine.forward = forward
+    try:
+        prompts = [_prompt(rng, rng.randrange(4, 30)) for _ in range(6)]
+        prompts[3][0] = poisoned
+        want = [o.outputs[0].token_ids for o in ref.generate(prompts, _greedy(48))]
+        first = llm.generate_async(prompts[0], _greedy(48), streaming=True)
+        handles = [first] + [llm.generate_async(p, _greedy(48)) for p in prompts[1:3]]
+        for snap in first:                     # the running requests generate: then the arrivals
+            if len(snap.outputs[0].token_ids) >= 4:
+                break
+        handles += [llm.generate_async(p, _greedy(48)) for p in prompts[3:]]
+        outs = bounded(lambda: [h.result(timeout=60) for h in handles], timeout=120)
+        failed = [i for i, o in enumerate(outs) if o.outputs[0].finish_reason == "error"]
+        assert failed == [3] and seen and seen[0]
+        assert "boom" in outs[3].outputs[0].error
+        for i, o in enumerate(outs):
+            if i not in failed:
+                assert _mismatch(prompts[i], 48, o, want[i]) is None
+        _assert_idle(llm)
+        again = bounded(lambda: llm.generate(prompts[0], _greedy(48)), timeout=60)
+        assert again.outputs[0].token_ids == want[0]
+    finally:
+        llm.shutdown()
+        ref.shutdown()
+
+
 # ---- issue #19 item 9: abort -----------------------------------------------------------------
 @pytest.mark.parametrize("kind", [None, "gqa", "mla"])
 def test_abort_from_another_thread_frees_pages_and_spares_others(tiny_llama_dir, drafters, bounded, kind):
