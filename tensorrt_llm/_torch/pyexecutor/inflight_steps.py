@@ -1,6 +1,7 @@
 """Launched steps whose results the executor reads later (the overlap scheduler's in-flight steps)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -98,11 +99,11 @@ class SpecSteps:
 
     parts: list[SpecStep]
 
-    def __post_init__(self):
+    @functools.cached_property
+    def ahead(self) -> Optional[DraftsAhead]:
+        """The parts' drafts ahead as one (joined when the next step continues from them)."""
         aheads = [p.ahead for p in self.parts if p.ahead is not None]
-        self.ahead: Optional[DraftsAhead] = aheads[0] if aheads else None
-        for a in aheads[1:]:
-            self.ahead = self.ahead.join(a)
+        return functools.reduce(DraftsAhead.join, aheads) if aheads else None
 
     @property
     def num_ctx(self) -> int:

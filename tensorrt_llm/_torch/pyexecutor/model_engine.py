@@ -18,7 +18,7 @@ from ..runtime.step import ForwardOutput, ForwardSegment
 from ..runtime.token_rows import gather_shifts
 from .cuda_graph_runner import CUDAGraphRunner
 from .kv_cache.resource_manager import KVCacheManager
-from .packed_graph_runner import PackedGraphRunner, shift_tokens
+from .packed_graph_runner import PackedGraphRunner, shift_tokens, shifted_token_rows
 from .piecewise_graph_runner import PiecewiseGraphRunner, pack_segments, segment_lengths
 
 if TYPE_CHECKING:
@@ -75,7 +75,8 @@ class ModelEngine:
             max_tokens = max(max_num_tokens, tokens_per_gen)
             if backend.capabilities.ragged_graphs:
                 self.packed = PackedGraphRunner(model, kv, backend, self.kv_caches, device, max_tokens,
-                                                max_batch_size, self.capture_layer_ids, max_shift=tokens_per_gen)
+                                                max_batch_size, self.capture_layer_ids,
+                                                max_shift=tokens_per_gen if tokens_per_gen > 1 else 0)
             else:
                 self.piecewise = PiecewiseGraphRunner(model, kv, backend, self.kv_caches, device, max_tokens,
                                                       self.capture_layer_ids)
@@ -198,7 +199,7 @@ class ModelEngine:
         packed = pack_segments(segments, lens, host[0], host[1])
         _, host[2] = self.kv.packed_slots(rows, starts, lens)
         shifted = np.fromiter((s.start_shift is not None for s in segments), dtype=bool, count=b)
-        host[3] = np.where(np.repeat(shifted, lens), np.repeat(np.arange(b), lens), b)
+        host[3] = shifted_token_rows(shifted, lens, b)
         io = host_ints(host, dev)
         ids, pos, slots, index = io[0], io[1], io[2], io[3]
         packed.gather_device_tokens(ids)

@@ -20,7 +20,8 @@ max_requests) request rows::
                        overlap scheduler's DSpark step beside prompt chunks): shifts[b] is gathered
                        from the step in flight's rows; its tokens' shift_index is b, every other
                        token's R (shifts[R] = 0); the graph moves their positions, slots and the
-                       request's KV length by it (`shift_tokens`)
+                       request's KV length by it (`shift_tokens`; a runner without a drafter,
+                       max_shift 0, declines such steps and leaves the shift out of its graphs)
 
 The forward is the model's own (`model(...)`, attention inside): hidden [T, H] and the captured
 rows [T, c*H] are the graph's outputs; the logits of the wanted rows are computed after it. With a
@@ -63,6 +64,7 @@ class _PackedEntry(GraphEntry):
     host: Optional[torch.Tensor] = None          # [words] int64 staging, pinned on CUDA
     host_views: tuple[np.ndarray, ...] = ()      # numpy views of host, in io order
     md: Optional[AttentionMetadata] = None
+    shifts: Optional[torch.Tensor] = None        # [R + 1] int64 view of io: continued segments' start shifts
     copied: Optional[torch.cuda.Event] = None    # the last host -> io copy (staging buffer reuse)
 
 
@@ -72,7 +74,8 @@ class PackedGraphRunner:
     def __init__(self, model: torch.nn.Module, kv: KVCacheManager, backend: AttentionBackend,
                  kv_caches: Sequence[torch.Tensor], device: torch.device, max_tokens: int, max_requests: int,
                  capture_layer_ids: Sequence[int] = (), capture: bool = True, max_shift: int = 0):
-        """max_shift: the most positions a continued segment starts late (the widest verify segment)."""
+        """max_shift: the most positions a continued segment starts late (the widest verify segment); 0:
+        no step has continued segments (no drafter), and the graphs leave the shift out."""
         if not (backend.capabilities.ragged_graphs and backend.capabilities.device_lengths):
             raise ValueError(f"packed-step graphs need an attention backend with device query offsets and "
                              f"lengths (ragged_graphs); {backend.name} has none")
@@ -111,8 +114,8 @@ class PackedGraphRunner:
         _, slots = kv.packed_slots(rows, starts, lens)
         shifts = [s.start_shift for s in segments]
         shifted = np.fromiter((sh is not None for sh in shifts), dtype=bool, count=b)
-        if (slots < 0).any() or (shifted.any() and not kv.owns_span(
-                rows[shifted], starts[shifted], np.asarray(lens)[shifted] + self.max_shift).all()):
+        if (slots < 0).any() or (shifted.any() and (not self.max_shift or not kv.owns_span(
+                rows[shifted], starts[shifted], np.asarray(lens)[shifted] + self.max_shift).all())):
             self.num_declined += 1
             return None
         e = self.graphs.entry(t, lambda: self._new_entry(t))
@@ -123,7 +126,7 @@ class PackedGraphRunner:
         slot[:n] = slots
         self._pad_rows(e, n)
         if shifted.any():
-            shift_index[:n] = np.where(np.repeat(shifted, lens), np.repeat(np.arange(b), lens), e.requests)
+            shift_index[:n] = shifted_token_rows(shifted, lens, e.requests)
         prompt_rows = sum(lens[:prompt_segments]) if self.context is not None else 0
         dslot[:prompt_rows] = slots[:prompt_rows]
         lens_v[:b] = starts + np.asarray(lens, dtype=np.int64)
@@ -135,7 +138,7 @@ class PackedGraphRunner:
         e.io.copy_(e.host, non_blocking=True)
         packed.gather_device_tokens(e.io[:t])          # queued behind the steps that made them
         if shifted.any():
-            gather_shifts(self._views(e.io, t, e.requests, kv.max_blocks_per_seq)[5], shifts)
+            gather_shifts(e.shifts, shifts)
         if e.io.is_cuda:
             if e.copied is None:          # one event per entry, re-recorded by every copy
                 e.copied = torch.cuda.Event()
@@ -189,7 +192,7 @@ class PackedGraphRunner:
         self.backend.prepare(md)
         if self.graphs.capture:
             logger.info("capturing the packed-step CUDA graph for %d tokens (%d request rows)", t, r)
-        return _PackedEntry(tokens=t, requests=r, io=io, host=host, md=md,
+        return _PackedEntry(tokens=t, requests=r, io=io, host=host, md=md, shifts=dv[5],
                             host_views=tuple(v.numpy() for v in hv))
 
     @staticmethod
@@ -205,13 +208,20 @@ class PackedGraphRunner:
         t = e.tokens
         _, pos, slot, _, shift_index, shifts, kv_lens, _, table = self._views(e.io, t, e.requests,
                                                                               self.kv.max_blocks_per_seq)
-        shift_tokens(pos, slot, kv_lens, shift_index, shifts, table, self.kv.tokens_per_block)
+        if self.max_shift:
+            shift_tokens(pos, slot, kv_lens, shift_index, shifts, table, self.kv.tokens_per_block)
         ids = e.io[:t]
         hidden, captured = self.model(ids, pos, self.kv_caches, e.md, self.backend, self.capture_layer_ids)
         cap = torch.cat(captured, dim=-1) if captured else None
         if self.context is not None and cap is not None:
             self.context.write_forward_context(cap, pos, e.io[3 * t:4 * t])
         return hidden, cap
+
+
+def shifted_token_rows(shifted: np.ndarray, lens: Sequence[int], none: int) -> np.ndarray:
+    """[sum(lens)] int64: each packed token's segment where that segment is continued (shifted [B] bool),
+    else `none` (the index of the always-zero shift)."""
+    return np.where(np.repeat(shifted, lens), np.repeat(np.arange(len(lens)), lens), none)
 
 
 def shift_tokens(positions: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor, shift_index: torch.Tensor,

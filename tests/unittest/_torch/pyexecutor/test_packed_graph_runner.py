@@ -145,6 +145,12 @@ def test_packed_steps_equal_eager_cpu(tiny_llama_dir):
         keep[scratch] = False
         assert torch.allclose(c[keep], c_ref[keep], atol=1e-5)
         assert not torch.equal(c[scratch], c0[scratch])          # the padding rows landed there
+    # a runner without a drafter (max_shift 0) has no shift in its graphs: it declines a continued step
+    plain = PackedGraphRunner(engine.model, engine.kv, engine.backend, engine.kv_caches, dev, 64, 8, LAYERS,
+                              capture=False)
+    with torch.inference_mode():
+        assert plain.run(_continued([ForwardSegment(0, [5] * 4, 9, 4)], dev, [1])) is None
+        assert plain.run([ForwardSegment(0, [5] * 4, 9, 4)]) is not None       # control: the same step read
 
 
 @pytest.mark.parametrize("kind", ["gqa", "mla"])
