@@ -149,11 +149,6 @@ class TorchLlmArgs(StrictBaseModel):
         "device rows of the step in flight (anchor, drafts, committed count) when the drafter launches "
         "its drafts on the device and the target attention backend reads KV lengths there (TRITON, "
         "VANILLA); capacity_report['overlap_scheduler'] says whether it does.")
-    overlap_prompt_stream: bool = Field(
-        default=True, description="With the overlap scheduler and the one-graph DSpark step: a step's prompt "
-        "chunks run in their own graph on a second CUDA stream, beside the running requests' one-graph step, "
-        "so the two share the GPU (CUDA only); false queues them after it on one stream. Outputs are the same "
-        "either way; capacity_report['overlap_scheduler']['prompt_stream'] says whether it is on.")
     torch_compile_config: Optional[TorchCompileConfig] = Field(
         default=None, description="torch.compile regions in the target model; absent: eager PyTorch ops.")
     kv_cache_config: KvCacheConfig = Field(

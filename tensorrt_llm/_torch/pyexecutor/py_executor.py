@@ -16,11 +16,11 @@ import queue
 import threading
 import time
 import traceback
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, TypeVar
 
 import torch
 
-from ..runtime.device import is_device_fault, isolated
+from ..runtime.device import is_device_fault
 from ..runtime.llm_request import LlmRequest, RequestState
 from ..runtime.sampler import Sampler
 from ..runtime.step import ForwardOutput, ForwardSegment, StepCommit, VerifiedSegment
@@ -29,7 +29,6 @@ from ..speculative.interface import Drafter
 from .arrival_drafts import launch_arrivals
 from .kv_cache.resource_manager import KVCacheManager
 from .model_engine import ModelEngine
-from .prompt_stream import PromptStream
 from .inflight_steps import OverlapStep, SpecStep, SpecSteps, last_token_pending
 from .scheduler import ScheduledBatch, Scheduler
 from .step_segments import build_segments
@@ -39,6 +38,7 @@ if TYPE_CHECKING:
     from .spec_step_graph import SpecLaunch
 
 logger = logging.getLogger("tensorrt_llm")
+T = TypeVar("T")
 
 UpdateCallback = Callable[[LlmRequest, list[int]], None]
 
@@ -46,11 +46,9 @@ UpdateCallback = Callable[[LlmRequest, list[int]], None]
 class PyExecutor:
     def __init__(self, engine: ModelEngine, scheduler: Scheduler, sampler: Sampler, kv: KVCacheManager,
                  decode: Callable[[Sequence[int]], str], drafter: Optional[Drafter] = None,
-                 overlap: bool = False, prompt_stream: bool = True):
+                 overlap: bool = False):
         """overlap: run the overlap scheduler: non-speculative steps (`OverlapStep`), and DSpark steps
-        when the drafter drafts on the device and the backend reads KV lengths there (`SpecStep`);
-        prompt_stream: with them, prompt chunks beside a one-graph step run on a second CUDA stream
-        (`PromptStream`)."""
+        when the drafter drafts on the device and the backend reads KV lengths there (`SpecStep`)."""
         self.engine, self.scheduler, self.sampler, self.kv = engine, scheduler, sampler, kv
         self.decode = decode
         self.drafter = drafter
@@ -59,7 +57,6 @@ class PyExecutor:
         # drafter launches its drafts there and the target backend reads KV lengths on the device
         self.spec_overlap = (overlap and drafter is not None and drafter.drafts_on_device
                              and engine.backend.capabilities.device_lengths)
-        self.prompt_stream = PromptStream(engine.device, prompt_stream and self.spec_overlap)
         self._inflight: Optional[OverlapStep] = None   # the launched step whose tokens are not read yet
         self._spec_inflight: Optional[SpecStep | SpecSteps] = None  # the launched DSpark step(s) not read yet
         self._abort_ids: set[int] = set()
@@ -231,14 +228,12 @@ class PyExecutor:
             try:   # a steady-state DSpark step runs as one graph; any other step the target forward
                 launch = beside = None
                 if self.spec_overlap and 0 < num_ctx < len(reqs):   # prompt chunks beside the one-graph step
-                    self.prompt_stream.mark()
                     beside = self.engine.forward_spec(reqs[num_ctx:], segments[num_ctx:])
                 if beside is None and self.drafter is not None and not num_ctx:
                     launch = self.engine.forward_spec(reqs, segments)
                 try:
-                    with self.prompt_stream.beside(beside is not None):
-                        out = launch.out if launch is not None else \
-                            self.engine.forward(segments[:num_ctx] if beside is not None else segments, num_ctx)
+                    out = launch.out if launch is not None else \
+                        self.engine.forward(segments[:num_ctx] if beside is not None else segments, num_ctx)
                 except Exception as e:   # prompt chunks beside generation: the prompts fail, the rest runs
                     if is_device_fault(e) or not 0 < num_ctx < len(reqs):
                         raise
@@ -261,10 +256,8 @@ class PyExecutor:
             else:
                 if beside is not None:   # read together, the prompts first
                     self.prompts_beside_one_graph += 1
-                    with self.prompt_stream.beside(True):
-                        prompts = self._launch_choice(reqs[:num_ctx], segments[:num_ctx], num_ctx, out)
-                    step = SpecSteps([prompts, self._launch_choice(reqs[num_ctx:], segments[num_ctx:], 0,
-                                                                   beside.out, beside)])
+                    step = SpecSteps([self._launch_choice(reqs[:num_ctx], segments[:num_ctx], num_ctx, out),
+                                      self._launch_choice(reqs[num_ctx:], segments[num_ctx:], 0, beside.out, beside)])
                 else:
                     step = self._launch_choice(reqs, segments, num_ctx, out, launch)
                 prev, self._spec_inflight = self._spec_inflight, None
@@ -392,9 +385,10 @@ class PyExecutor:
             # one verify over the step; if it fails, each request alone (only the failing ones fail)
             items = [(reqs[i], segment_drafts(segments[i].token_ids), out.logits_offsets[i], segments[i].num_logits)
                      for i in gen]
-            blocks = isolated(lambda its: drafter.verify([it[0] for it in its], [it[1] for it in its], out.logits,
-                                                         [it[2] for it in its], [it[3] for it in its]),
-                              items, lambda it, e: self._fail(it[0], e))
+            blocks = self._isolated(lambda its: drafter.verify([it[0] for it in its], [it[1] for it in its],
+                                                               out.logits, [it[2] for it in its],
+                                                               [it[3] for it in its]),
+                                    items, lambda it: it[0])
             if blocks:
                 k1 = max(b.shape[1] for b in blocks)
                 ver = torch.cat([torch.nn.functional.pad(b, (0, k1 - b.shape[1]), value=-1) for b in blocks])
@@ -429,8 +423,8 @@ class PyExecutor:
         chosen, verified = step.read()
         commits = self._update_requests(step.reqs, step.segments, step.num_ctx, step.out, chosen, verified)
         if self.drafter is not None and commits:
-            isolated(lambda cs: self.drafter.draft(cs, step.out.captured, step.ahead), commits,
-                     lambda c, e: self._fail(c.req, e))
+            self._isolated(lambda cs: self.drafter.draft(cs, step.out.captured, step.ahead), commits,
+                           lambda c: c.req)
         for req in step.reqs:
             if req.context_only:
                 self._finish_context_only(req)
@@ -475,6 +469,27 @@ class PyExecutor:
                 if not req.sampling_params.greedy and seg.num_logits]
         return self.sampler.choose(out.logits[:n], [r for r, _ in rows], [q.request_id for _, q in rows],
                                    [q.sampling_params for _, q in rows])
+
+    def _isolated(self, fn: Callable[[list], T], items: list, owner: Callable[[object], LlmRequest]) -> list[T]:
+        """[fn(items)]; if that fails (not fatally), [fn([item]) for each item that succeeds alone],
+        failing the owners of the items that fail."""
+        try:
+            return [fn(items)]
+        except Exception as e:
+            if is_device_fault(e):
+                raise
+            if len(items) == 1:
+                self._fail(owner(items[0]), e)
+                return []
+        out = []
+        for item in items:
+            try:
+                out.append(fn([item]))
+            except Exception as e:
+                if is_device_fault(e):
+                    raise
+                self._fail(owner(item), e)
+        return out
 
     def _update_requests(self, reqs: list[LlmRequest], segments: list[ForwardSegment], num_ctx: int,
                          out: ForwardOutput, chosen: list[int], verified: list[Optional[list[int]]]

@@ -108,7 +108,7 @@ def create_py_executor(args: TorchLlmArgs, tokenizer: TokenizerWrapper) -> Execu
         one_graph = _enable_spec_step(engine, drafter, args.max_batch_size)
         drafter_report = drafter.describe()
     executor = PyExecutor(engine, sched, sampler, kv, tokenizer.decode, drafter,
-                          overlap=not args.disable_overlap_scheduler, prompt_stream=args.overlap_prompt_stream)
+                          overlap=not args.disable_overlap_scheduler)
     report = kv.report()
     report["overlap_scheduler"] = _overlap_report(args, executor, backend, drafter)
     if args.use_cuda_graph:
@@ -184,8 +184,7 @@ def _overlap_report(args: TorchLlmArgs, executor: PyExecutor, backend, drafter) 
     if drafter is None:
         return {"enabled": executor.overlap, "reason": "non-speculative steps"}
     if executor.spec_overlap:
-        return {"enabled": True, "reason": "verify steps continue from the device rows of the step in flight",
-                "prompt_stream": executor.prompt_stream.enabled}
+        return {"enabled": True, "reason": "verify steps continue from the device rows of the step in flight"}
     if not drafter.drafts_on_device:
         why = f"the device draft step is off ({drafter.describe().get('device_draft_backend')})"
     else:

@@ -308,30 +308,6 @@ def test_overlapped_dspark_steps_are_lossless_and_never_block(llama64_dir, tmp_p
     assert got == plain == baseline
 
 
-@gpu
-@pytest.mark.parametrize("kind", ["gqa", "mla"])
-def test_prompts_on_the_side_stream_beside_one_graph_steps_are_lossless(llama64_dir, tmp_path_factory, kind):
-    """Arrivals beside running requests (24 requests, 8 in flight, staggered max_tokens) with the
-    overlap scheduler: the prompt chunks run on the second CUDA stream beside the one-graph step
-    (`PromptStream`) in many steps; output == the no-spec engine's and == the same engine with the
-    prompt stream off, token for token, and nothing blocks the host (the streams order by events)."""
-    drafter = _drafter(tmp_path_factory, llama64_dir, kind)
-    prompts = [p + " " + str(i) for i, p in enumerate(PROMPTS * 4)]
-    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in [37, 12, 50, 8, 23, 41, 15, 29] * 3]
-    common = dict(device="cuda", attn_backend="TRITON", max_batch_size=8, use_cuda_graph=True,
-                  kv_cache_config={"max_tokens": 16384, "tokens_per_block": 16})
-    with LLM(str(llama64_dir), **common) as llm:
-        baseline = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    spec = {"decoding_type": "DSpark", "speculative_model": str(drafter)}
-    got = {}
-    for on in (True, False):
-        with LLM(str(llama64_dir), speculative_config=spec, overlap_prompt_stream=on, **common) as llm:
-            assert llm.capacity_report["overlap_scheduler"]["prompt_stream"] is on
-            got[on] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-            steps = llm.get_stats()["steps"]
-        assert steps["prompts_beside_one_graph"] >= 8, steps
-    assert got[True] == got[False] == baseline
-
 
 def _first_two_sampled(target, n: int, seed0: int, **kw) -> tuple[list[tuple[int, ...]], dict]:
     # the test Llama's logits are peaky (a 4 x 64 random model with unit embeddings): at T = 1 its top
