@@ -9,9 +9,10 @@ AUTO with CUDA graphs then switches to its device draft step's TRITON backend fo
 (`DSparkWorker.enable_device_drafts`). CUTEDSL (TRITON attention with the norm + RoPE prep and the
 page-bounded append as one CuTe DSL launch per layer, `cute_rope_append`, sm90+, nvidia-cutlass-dsl) is a
 drafter's explicit choice only: AUTO does not pick it where it could run. On the H200 a DSpark step with
-CUTEDSL took 3-8% more GPU time than with TRITON (`docs/dspark.md`), measured when it made three or four
-launches per layer against TRITON's one; it now makes one, as TRITON, and is not re-measured yet. An
-explicit choice that cannot run raises; an unknown name raises (listing the known ones).
+CUTEDSL (one launch per layer, as TRITON) took 0-4% more GPU time and served 0-11% fewer tokens per second
+than with TRITON: its kernel is slower per launch and its step graph costs more host time to launch
+(`docs/dspark.md`). An explicit choice that cannot run raises; an unknown name raises (listing the known
+ones).
 """
 from __future__ import annotations
 
