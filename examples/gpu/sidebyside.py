@@ -119,7 +119,7 @@ def build_argv(a: argparse.Namespace) -> list[str]:
         argv += ["--out", a.out]
     if a.deadline_s:
         argv += ["--deadline-s", str(a.deadline_s)]
-    return argv
+    return argv + ["--request-timeout-s", str(a.request_timeout_s)]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -150,6 +150,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--anchor", action="store_true", help="also run compiled_step_anchor.py once, after the rounds")
     ap.add_argument("--anchor-timeout-s", type=float, default=240, help="the anchor's limit, kept free of rounds")
     ap.add_argument("--deadline-s", type=float, default=540, help="see tensorrt_llm/bench/sidebyside.py")
+    ap.add_argument("--request-timeout-s", type=float, default=120.0,
+                    help="a request not finished this long stops the run, logging every thread's stack")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     a.gqa = a.gqa or drafter_dir("gqa")

@@ -19,6 +19,7 @@ the pool capacity, and, with speculative decoding, the acceptance length (AL) of
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import json
 import logging
@@ -71,23 +72,34 @@ def _spec_delta(before: Optional[dict], after: Optional[dict]) -> Optional[dict]
 
 # ---- the engine arm ----------------------------------------------------------------------
 def run_concurrency(llm: LLM, prompts: Sequence[list[int]], concurrency: int,
-                    params: SamplingParams) -> dict[str, Any]:
-    """Run all ``prompts`` with at most ``concurrency`` in flight; return one result row."""
+                    params: SamplingParams, request_timeout_s: Optional[float] = None) -> dict[str, Any]:
+    """Run all ``prompts`` with at most ``concurrency`` in flight; return one result row.
+    request_timeout_s: a request not finished this long after its submission stops the level: every
+    thread's stack and the engine's step counters are logged once (where a stalled engine waits),
+    the request is aborted, and a RuntimeError names the level after the clients return."""
     outputs: list[Any] = [None] * len(prompts)
     next_index = iter(range(len(prompts)))
     lock = threading.Lock()
     failures: list[BaseException] = []
+    reported = threading.Event()      # a stall is logged once per level
 
     def client() -> None:
         while True:
             with lock:
                 i = next(next_index, None)
-            if i is None:
+            if i is None or failures:
                 return
             try:
-                outputs[i] = llm.generate_async(prompts[i], params).result()
+                handle = llm.generate_async(prompts[i], params)
+                try:
+                    outputs[i] = handle.result(timeout=request_timeout_s)
+                except TimeoutError:
+                    _report_stall(llm, concurrency, request_timeout_s, lock, reported)
+                    handle.abort()
+                    raise
             except BaseException as e:  # surfaced after join, never swallowed
-                failures.append(e)
+                with lock:
+                    failures.append(e)
                 return
 
     stats_before = llm.get_stats()
@@ -103,6 +115,9 @@ def run_concurrency(llm: LLM, prompts: Sequence[list[int]], concurrency: int,
     stats_after = llm.get_stats()
     peak_pages = stats_after["kv_cache"]["peak_used_pages"]
     if failures:
+        if isinstance(failures[0], TimeoutError):
+            raise RuntimeError(f"concurrency {concurrency}: a request did not finish within {request_timeout_s} s "
+                               "of its submission (thread stacks and step counters logged above)") from failures[0]
         raise RuntimeError(f"{len(failures)} request(s) failed at concurrency {concurrency}") from failures[0]
     errors = [o.outputs[0].error for o in outputs if o.outputs[0].finish_reason == "error"]
     if errors:
@@ -235,12 +250,27 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-baseline", action="store_true", help="also run HF transformers generate (batch = C)")
     p.add_argument("--hf-static-cache", action=argparse.BooleanOptionalAction, default=None,
                    help="HF static cache (+ torch.compile on CUDA); default on CUDA only")
+    p.add_argument("--request-timeout-s", type=float, default=None, help="a request not finished this long "
+                   "after its submission stops the run, logging every thread's stack (default: no limit)")
     p.add_argument("--json", default=None, help="write config, machine, capacity and rows here")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return p
 
 
 T = TypeVar("T")
+
+
+def _report_stall(llm: LLM, concurrency: int, timeout_s: Optional[float], lock: threading.Lock,
+                  reported: threading.Event) -> None:
+    """Log, once per level, every thread's Python stack (the executor thread's shows what the engine
+    waits on) and the engine's step counters."""
+    with lock:
+        if reported.is_set():
+            return
+        reported.set()
+        logger.error("concurrency %d: a request is not finished %s s after its submission; engine steps %s; "
+                     "thread stacks follow", concurrency, timeout_s, llm.get_stats().get("steps"))
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
 
 
 def level_prompts(prompts: Sequence[T], concurrency: int, waves: Optional[int], min_requests: int = 1) -> list[T]:
@@ -271,7 +301,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         # warm-up: one full-length request, so first-use costs of prefill and decode are not timed
         llm.generate_async(prompts[0], SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)).result()
         for c in args.concurrency:
-            row = run_concurrency(llm, level_prompts(prompts, c, args.waves, args.min_requests), c, params)
+            row = run_concurrency(llm, level_prompts(prompts, c, args.waves, args.min_requests), c, params,
+                                  args.request_timeout_s)
             row["arm"] = arm
             rows.append(row)
             print(format_table([row]).splitlines()[-1], file=sys.stderr, flush=True)

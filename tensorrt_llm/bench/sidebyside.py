@@ -294,7 +294,7 @@ def run_sidebyside(args: argparse.Namespace, arms: Sequence[Arm], report_cb=None
                     warm = level_requests(prompts, c, args.waves, args.min_requests)
                     benchmark.run_concurrency(eng.llm, warm, c, SamplingParams(
                         max_tokens=min(args.max_tokens, args.warmup_tokens or args.max_tokens), ignore_eos=True,
-                        temperature=0.0))
+                        temperature=0.0), args.request_timeout_s)
                 mark(f"built + warmed {arm.name}")
             for arm in arms:
                 if arm.is_hf:   # its own process: no torch.compile state next to the engines' graphs
@@ -322,7 +322,8 @@ def run_sidebyside(args: argparse.Namespace, arms: Sequence[Arm], report_cb=None
                             row = hf_models[arm.name].run(reqs, c, args.max_tokens, hf_width)
                             row = {**row, "concurrency": c, "tpot_mean_s": None}
                         else:
-                            row = benchmark.run_concurrency(engines[arm.name].llm, reqs, c, params)
+                            row = benchmark.run_concurrency(engines[arm.name].llm, reqs, c, params,
+                                                            args.request_timeout_s)
                         row.update(arm=arm.name, round=r, position=pos)
                         report["rows"].append(row)
                         logger.warning("round %d %s C=%d: %.0f tok/s%s", r, arm.name, c, row["output_tok_s"],
@@ -391,6 +392,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="HF static cache (+ torch.compile); default on CUDA only")
     p.add_argument("--deadline-s", type=float, default=None,
                    help="start no round that would end past this many seconds from the start (whole rounds only)")
+    p.add_argument("--request-timeout-s", type=float, default=120.0, help="an engine request not finished "
+                   "this long after its submission stops the run, logging every thread's stack")
     p.add_argument("--ratio-to", default=None, help="arm whose median tok/s the others are divided by")
     p.add_argument("--anchor", default=None, help="compiled-step anchor script to run once (CUDA)")
     p.add_argument("--anchor-shapes", nargs="+", default=list(ANCHOR_SHAPES))

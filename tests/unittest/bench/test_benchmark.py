@@ -143,7 +143,49 @@ class _FakeLLM:
             out.metrics.update(ttft_s=0.002, e2e_s=time.perf_counter() - t0)
             done.set()
         threading.Timer(0.02, finish).start()
-        return SimpleNamespace(result=lambda: (done.wait(), out)[1])
+        return SimpleNamespace(result=lambda timeout=None: (done.wait(), out)[1])
+
+
+class _StalledLLM:
+    """generate_async handles that never finish (a stalled engine), with abort counted."""
+
+    def __init__(self):
+        self.aborted = 0
+
+    def get_stats(self):
+        return {"kv_cache": {"num_pages": 32, "free_pages": 32, "peak_used_pages": 0}, "steps": {"total": 3}}
+
+    def reset_kv_peak(self):
+        pass
+
+    def generate_async(self, ids, params):
+        done = threading.Event()
+
+        def result(timeout=None):
+            if not done.wait(timeout):
+                raise TimeoutError(f"not finished after {timeout} s")
+
+        def abort():
+            self.aborted += 1
+        return SimpleNamespace(result=result, abort=abort)
+
+
+def test_a_stalled_level_stops_with_the_thread_stacks(capfd, caplog):
+    """A request not finished within request_timeout_s stops the level: RuntimeError naming the level,
+    every in-flight request aborted, the step counters and every thread's stack logged once; without
+    the timeout the same fake would block forever, and a finishing engine passes under it (control)."""
+    llm = _StalledLLM()
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match="concurrency 3: a request did not finish within 0.2 s"):
+        bm.run_concurrency(llm, [[1, 2]] * 10, 3, SamplingParams(max_tokens=4), request_timeout_s=0.2)
+    assert time.perf_counter() - t0 < 5.0
+    assert llm.aborted == 3                                   # the three in flight; no more submitted
+    err = capfd.readouterr().err
+    assert err.count("Current thread") + err.count("Thread 0x") >= 4 and "run_concurrency" in err
+    assert sum("not finished 0.2 s after its submission" in r.getMessage() for r in caplog.records) == 1
+    row = bm.run_concurrency(_FakeLLM(hold=2), [[1, 2, 3]] * 4, 2, SamplingParams(max_tokens=5),
+                             request_timeout_s=5.0)
+    assert row["num_requests"] == 4
 
 
 @pytest.mark.parametrize("c", [1, 3, 16])

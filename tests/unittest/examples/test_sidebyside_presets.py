@@ -65,7 +65,8 @@ def test_build_argv_defaults(tmp_path):
                               prompts_file=str(tmp_path / "none.json"), dataset_cache_dir=None, concurrency=[1, 16],
                               rounds=3, max_tokens=256, waves=2, min_requests=16, backend="FLASHINFER", graphs=True,
                               kv_tokens=262144, extra_yaml=None, anchor=True, anchor_timeout_s=240, out=str(tmp_path),
-                              deadline_s=540, spec_backend=None, spec_extra_yaml=None, variant=[])
+                              deadline_s=540, spec_backend=None, spec_extra_yaml=None, variant=[],
+                              request_timeout_s=120.0)
     argv = ex.build_argv(a)
     assert argv[argv.index("--concurrency") + 1:argv.index("--rounds")] == ["1", "16"]
     assert argv.count("--arm") == 2 and "--ratio-to" in argv and argv[argv.index("--ratio-to") + 1] == "nospec"
@@ -73,3 +74,4 @@ def test_build_argv_defaults(tmp_path):
     assert argv[argv.index("--anchor") + 1].endswith("examples/gpu/compiled_step_anchor.py")
     assert argv[argv.index("--anchor-timeout-s") + 1] == "240"
     assert argv[argv.index("--deadline-s") + 1] == "540"
+    assert argv[argv.index("--request-timeout-s") + 1] == "120.0"
