@@ -149,6 +149,11 @@ class TorchLlmArgs(StrictBaseModel):
         "device rows of the step in flight (anchor, drafts, committed count) when the drafter launches "
         "its drafts on the device and the target attention backend reads KV lengths there (TRITON, "
         "VANILLA); capacity_report['overlap_scheduler'] says whether it does.")
+    step_timeout_s: Optional[float] = Field(
+        default=300.0, gt=0, description="An executor step (its launches, reads and waits) still running after "
+        "this many seconds ends the engine: its thread's stack is logged, every queued and in-flight request "
+        "finishes with an error naming the stall, and later calls raise (as after a device fault), so no "
+        "caller waits forever on a GPU or host wait that never completes. null: no limit.")
     torch_compile_config: Optional[TorchCompileConfig] = Field(
         default=None, description="torch.compile regions in the target model; absent: eager PyTorch ops.")
     kv_cache_config: KvCacheConfig = Field(

@@ -16,11 +16,11 @@ import queue
 import threading
 import time
 import traceback
-from typing import TYPE_CHECKING, Callable, Optional, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
-from ..runtime.device import is_device_fault
+from ..runtime.device import is_device_fault, isolated
 from ..runtime.llm_request import LlmRequest, RequestState
 from ..runtime.sampler import Sampler
 from ..runtime.step import ForwardOutput, ForwardSegment, StepCommit, VerifiedSegment
@@ -31,6 +31,7 @@ from .kv_cache.resource_manager import KVCacheManager
 from .model_engine import ModelEngine
 from .inflight_steps import OverlapStep, SpecStep, SpecSteps, last_token_pending
 from .scheduler import ScheduledBatch, Scheduler
+from .step_watchdog import StepWatchdog
 from .step_segments import build_segments
 from .stop_criteria import append_tokens
 
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
     from .spec_step_graph import SpecLaunch
 
 logger = logging.getLogger("tensorrt_llm")
-T = TypeVar("T")
 
 UpdateCallback = Callable[[LlmRequest, list[int]], None]
 
@@ -46,9 +46,10 @@ UpdateCallback = Callable[[LlmRequest, list[int]], None]
 class PyExecutor:
     def __init__(self, engine: ModelEngine, scheduler: Scheduler, sampler: Sampler, kv: KVCacheManager,
                  decode: Callable[[Sequence[int]], str], drafter: Optional[Drafter] = None,
-                 overlap: bool = False):
+                 overlap: bool = False, step_timeout_s: Optional[float] = None):
         """overlap: run the overlap scheduler: non-speculative steps (`OverlapStep`), and DSpark steps
-        when the drafter drafts on the device and the backend reads KV lengths there (`SpecStep`)."""
+        when the drafter drafts on the device and the backend reads KV lengths there (`SpecStep`);
+        step_timeout_s: a step of the loop thread running longer ends the engine (`StepWatchdog`)."""
         self.engine, self.scheduler, self.sampler, self.kv = engine, scheduler, sampler, kv
         self.decode = decode
         self.drafter = drafter
@@ -79,6 +80,7 @@ class PyExecutor:
         self.step_seconds = 0.0          # wall seconds inside `step` (launches, reads and waits)
         self.prompt_step_seconds = 0.0   # the share of it in steps with a prompt chunk
         self.fatal_error: Optional[str] = None
+        self.watchdog = StepWatchdog(step_timeout_s, self._stalled)
 
     # ---- submission --------------------------------------------------------------------
     def enqueue_request(self, req: LlmRequest, on_update: UpdateCallback) -> None:
@@ -109,12 +111,14 @@ class PyExecutor:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="PyExecutor", daemon=True)
             self._thread.start()
+            self.watchdog.watch(self._thread)
 
     def shutdown(self) -> None:
         """Stop the loop thread. Every request still queued or in flight finishes with an error, so
         no caller waits on a stopped loop; `step()` / `run_until_idle()` may still drive it by hand."""
         self._stop.set()
         self._wake.set()
+        self.watchdog.stop()
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join(timeout=30)
@@ -142,6 +146,15 @@ class PyExecutor:
                 self._fail_all(self.fatal_error)
                 return
         self._fail_all("the LLM was shut down before this request finished")
+
+    def _stalled(self, reason: str) -> None:
+        """The watchdog's call (its thread) for a step that does not return: refuse new requests, stop the
+        loop, fail every request (the stuck step touches none of them while it waits)."""
+        with self._submit_lock:
+            self.fatal_error = reason
+        self._stop.set()
+        self._wake.set()
+        self._fail_all(reason)
 
     def _fail_all(self, reason: str) -> None:
         """Finish every queued and in-flight request with error `reason` and notify its caller
@@ -175,9 +188,11 @@ class PyExecutor:
         with them as inputs, and this step's tokens are read (stop criteria applied) one step later,
         while the GPU runs that next step (`OverlapStep`)."""
         t0, prompts0 = time.perf_counter(), self.prompt_steps
+        self.watchdog.begin()
         try:
             self._step()
         finally:
+            self.watchdog.end()
             dt = time.perf_counter() - t0
             self.step_seconds += dt
             if self.prompt_steps != prompts0:
@@ -385,10 +400,9 @@ class PyExecutor:
             # one verify over the step; if it fails, each request alone (only the failing ones fail)
             items = [(reqs[i], segment_drafts(segments[i].token_ids), out.logits_offsets[i], segments[i].num_logits)
                      for i in gen]
-            blocks = self._isolated(lambda its: drafter.verify([it[0] for it in its], [it[1] for it in its],
-                                                               out.logits, [it[2] for it in its],
-                                                               [it[3] for it in its]),
-                                    items, lambda it: it[0])
+            blocks = isolated(lambda its: drafter.verify([it[0] for it in its], [it[1] for it in its], out.logits,
+                                                         [it[2] for it in its], [it[3] for it in its]),
+                              items, lambda it, e: self._fail(it[0], e))
             if blocks:
                 k1 = max(b.shape[1] for b in blocks)
                 ver = torch.cat([torch.nn.functional.pad(b, (0, k1 - b.shape[1]), value=-1) for b in blocks])
@@ -423,8 +437,8 @@ class PyExecutor:
         chosen, verified = step.read()
         commits = self._update_requests(step.reqs, step.segments, step.num_ctx, step.out, chosen, verified)
         if self.drafter is not None and commits:
-            self._isolated(lambda cs: self.drafter.draft(cs, step.out.captured, step.ahead), commits,
-                           lambda c: c.req)
+            isolated(lambda cs: self.drafter.draft(cs, step.out.captured, step.ahead), commits,
+                     lambda c, e: self._fail(c.req, e))
         for req in step.reqs:
             if req.context_only:
                 self._finish_context_only(req)
@@ -469,27 +483,6 @@ class PyExecutor:
                 if not req.sampling_params.greedy and seg.num_logits]
         return self.sampler.choose(out.logits[:n], [r for r, _ in rows], [q.request_id for _, q in rows],
                                    [q.sampling_params for _, q in rows])
-
-    def _isolated(self, fn: Callable[[list], T], items: list, owner: Callable[[object], LlmRequest]) -> list[T]:
-        """[fn(items)]; if that fails (not fatally), [fn([item]) for each item that succeeds alone],
-        failing the owners of the items that fail."""
-        try:
-            return [fn(items)]
-        except Exception as e:
-            if is_device_fault(e):
-                raise
-            if len(items) == 1:
-                self._fail(owner(items[0]), e)
-                return []
-        out = []
-        for item in items:
-            try:
-                out.append(fn([item]))
-            except Exception as e:
-                if is_device_fault(e):
-                    raise
-                self._fail(owner(item), e)
-        return out
 
     def _update_requests(self, reqs: list[LlmRequest], segments: list[ForwardSegment], num_ctx: int,
                          out: ForwardOutput, chosen: list[int], verified: list[Optional[list[int]]]

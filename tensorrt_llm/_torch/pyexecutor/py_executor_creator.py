@@ -108,7 +108,7 @@ def create_py_executor(args: TorchLlmArgs, tokenizer: TokenizerWrapper) -> Execu
         one_graph = _enable_spec_step(engine, drafter, args.max_batch_size)
         drafter_report = drafter.describe()
     executor = PyExecutor(engine, sched, sampler, kv, tokenizer.decode, drafter,
-                          overlap=not args.disable_overlap_scheduler)
+                          overlap=not args.disable_overlap_scheduler, step_timeout_s=args.step_timeout_s)
     report = kv.report()
     report["overlap_scheduler"] = _overlap_report(args, executor, backend, drafter)
     if args.use_cuda_graph:

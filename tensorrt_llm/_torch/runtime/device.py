@@ -1,9 +1,13 @@
-"""Device and dtype names of the args -> torch objects; which errors are device faults."""
+"""Device and dtype names of the args -> torch objects; which errors are device faults, and
+running a batch so that a non-fatal error fails only the items it belongs to."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional, TypeVar
 
 import torch
+
+T = TypeVar("T")
+I = TypeVar("I")
 
 _MODEL_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -32,3 +36,25 @@ def is_device_fault(e: BaseException) -> bool:
     executor fails every in-flight request; no component may recover from it on its own."""
     return isinstance(e, (torch.cuda.OutOfMemoryError, MemoryError)) or "CUDA error" in str(e) \
         or type(e).__name__ == "AcceleratorError"
+
+
+def isolated(fn: Callable[[list[I]], T], items: list[I], fail: Callable[[I, Exception], None]) -> list[T]:
+    """[fn(items)]; if that fails (not a device fault), [fn([item]) for each item that succeeds
+    alone], calling fail(item, error) for each item that fails alone. A device fault propagates."""
+    try:
+        return [fn(items)]
+    except Exception as e:
+        if is_device_fault(e):
+            raise
+        if len(items) == 1:
+            fail(items[0], e)
+            return []
+    out = []
+    for item in items:
+        try:
+            out.append(fn([item]))
+        except Exception as e:
+            if is_device_fault(e):
+                raise
+            fail(item, e)
+    return out
