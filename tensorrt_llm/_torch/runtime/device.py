@@ -7,7 +7,7 @@ from typing import Callable, Optional, TypeVar
 import torch
 
 T = TypeVar("T")
-I = TypeVar("I")
+Item = TypeVar("Item")
 
 _MODEL_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -38,7 +38,7 @@ def is_device_fault(e: BaseException) -> bool:
         or type(e).__name__ == "AcceleratorError"
 
 
-def isolated(fn: Callable[[list[I]], T], items: list[I], fail: Callable[[I, Exception], None]) -> list[T]:
+def isolated(fn: Callable[[list[Item]], T], items: list[Item], fail: Callable[[Item, Exception], None]) -> list[T]:
     """[fn(items)]; if that fails (not a device fault), [fn([item]) for each item that succeeds
     alone], calling fail(item, error) for each item that fails alone. A device fault propagates."""
     try:
