@@ -3,7 +3,7 @@
     GET  /v1/models                 the served model (id = the MODEL argument)
     POST /v1/completions            OpenAI completions (SSE with stream=true)
     POST /v1/chat/completions       OpenAI chat completions (SSE with stream=true)
-    GET  /health                    200 while the engine serves, 503 after a fatal engine error
+    GET  /health                    200 while the engine serves, 503 after a fatal engine error (or a stalled step)
     GET  /version                   {"version": ...}
     GET  /metrics                   Prometheus text (see metrics.py)
     POST /tokenize, /detokenize     vLLM's request / response shapes

@@ -293,3 +293,34 @@ def test_disconnecting_clients_abort_their_requests_and_free_every_page(tiny_ser
     r = httpx.post(f"{tiny_server.base_url}/v1/completions", json={
         "model": tiny_server.model, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}).json()
     assert r["choices"][0]["text"] == offline(tiny_offline, PROMPTS[0], 8).text
+
+
+def test_a_stalled_engine_answers_completions_with_an_error_and_health_503(tiny_llama_dir):
+    """The step watchdog (`step_timeout_s`) ends an engine whose step never returns (a forward
+    blocked forever stands in for a GPU that never completes): the waiting completion gets a
+    server error naming the stall instead of hanging, and /health turns 503 so an orchestrator
+    restarts the server; /health was 200 before (control)."""
+    import threading
+
+    from fastapi.testclient import TestClient
+    from server_proc import TINY_ARGS
+
+    from tensorrt_llm import LLM
+    from tensorrt_llm.serve.app import create_app
+
+    llm = LLM(str(tiny_llama_dir), **{**TINY_ARGS, "step_timeout_s": 0.5})
+    engine, gate = llm._executor.engine, threading.Event()
+    forward = engine.forward
+    try:
+        with TestClient(create_app(llm, "tiny")) as http:
+            assert http.get("/health").status_code == 200
+            engine.forward = lambda *a, **k: (gate.wait(60), forward(*a, **k))[1]
+            t0 = time.monotonic()
+            r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 4})
+            assert time.monotonic() - t0 < 10
+            assert r.status_code >= 500 and "stalled" in r.text, (r.status_code, r.text)
+            health = http.get("/health")
+            assert health.status_code == 503 and "executor step stalled" in health.text
+    finally:
+        gate.set()
+        llm.shutdown()
