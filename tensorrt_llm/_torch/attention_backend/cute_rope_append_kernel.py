@@ -150,6 +150,14 @@ def _owned(t: I32, page: I64, mbt: cute.Tensor, mqo: cute.Tensor, qps: I32, page
 
 
 @cute.jit
+def _warp_row():
+    """(lane, row): the thread's lane and its warp's row of the launch (ROWS_PER_CTA warps per CTA)."""
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    return tidx % 32, bidx * ROWS_PER_CTA + tidx // 32
+
+
+@cute.jit
 def _refuse(mref: cute.Tensor, lane: I32, first_head: I32):
     """The counter += 1 by one lane of the token's first row (one per token)."""
     if lane == 0:
@@ -164,10 +172,7 @@ def _build_gqa(hq: int, hkv: int, dim: int, page_size: int, normed: bool, ragged
     def kernel(mq: cute.Tensor, mk: cute.Tensor, mv: cute.Tensor, mqw: cute.Tensor, mkw: cute.Tensor,
                mcos: cute.Tensor, msin: cute.Tensor, mo: cute.Tensor, mcache: cute.Tensor, mslot: cute.Tensor,
                mbt: cute.Tensor, mqo: cute.Tensor, mref: cute.Tensor, eps: F32, qps: I32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        lane = tidx % 32
-        row = bidx * ROWS_PER_CTA + tidx // 32
+        lane, row = _warp_row()
         t_n = mq.shape[0]
         if row < t_n * hq:
             t = row // hq
@@ -209,10 +214,7 @@ def _build_mla(heads: int, rank: int, rope_dim: int, page_size: int, ragged: boo
     def kernel(mql: cute.Tensor, mqp: cute.Tensor, mkv: cute.Tensor, mw: cute.Tensor, mcos: cute.Tensor,
                msin: cute.Tensor, mo: cute.Tensor, mcache: cute.Tensor, mslot: cute.Tensor, mbt: cute.Tensor,
                mqo: cute.Tensor, mref: cute.Tensor, eps: F32, qps: I32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        lane = tidx % 32
-        row = bidx * ROWS_PER_CTA + tidx // 32
+        lane, row = _warp_row()
         t_n = mql.shape[0]
         if row < t_n * heads:
             t = row // heads

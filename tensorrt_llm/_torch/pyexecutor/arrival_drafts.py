@@ -20,9 +20,9 @@ from ..speculative.interface import Drafter
 
 def launch_arrivals(drafter: Drafter, reqs: list[LlmRequest], segments: list[ForwardSegment], out: ForwardOutput,
                     ids: torch.Tensor) -> tuple[Optional[DraftsAhead], bool]:
-    """reqs, segments: the step's prompt chunks; ids [len(reqs)]: the chosen token per request, on the device. Returns (the launch or None,
-    whether it took every request: then the requests are advanced as above; otherwise they stay
-    prompts until the step is read, as any prompt step's)."""
+    """reqs, segments: the step's prompt chunks; ids [len(reqs)]: the chosen token per request, on the
+    device. Returns (the launch or None, whether it took every request: then the requests are advanced
+    as above; otherwise they stay prompts until the step is read, as any prompt step's)."""
     if any(not s.num_logits for s in segments) or any(r.context_only or not r.sampling_params.greedy for r in reqs):
         return None, False
     for req in reqs:

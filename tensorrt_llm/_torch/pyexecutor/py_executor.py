@@ -421,7 +421,8 @@ class PyExecutor:
             rest_ahead = not live or (ahead is not None and all(reqs[i].request_id in ahead.rows for i in live))
             if self.spec_overlap and num_ctx and ids is not None and out.captured is not None and rest_ahead:
                 first, arrivals = launch_arrivals(drafter, reqs[:num_ctx], segments[:num_ctx], out, ids)
-                ahead = first if ahead is None else ahead.join(first) if first is not None else ahead
+                if first is not None:
+                    ahead = first if ahead is None else ahead.join(first)
         except Exception as e:
             if is_device_fault(e):
                 raise

@@ -99,7 +99,8 @@ def _run_steps(engine, ref, runner, device, tol):
         assert rel(out.captured.float(), want.captured.float()) < tol
         # a prompt chunk leading continued verify segments (their starts shifted on the device by 2 and 3)
         t4 = [torch.randint(3, 400, (4,), generator=g).tolist() for _ in range(2)]
-        host = [ForwardSegment(8, prompts[8][9:], 9, 1), ForwardSegment(0, t4[0], 8, 4), ForwardSegment(3, t4[1], 21, 4)]
+        host = [ForwardSegment(8, prompts[8][9:], 9, 1), ForwardSegment(0, t4[0], 8, 4),
+                ForwardSegment(3, t4[1], 21, 4)]
         want = ref.forward(host)
         cont = _continued(host, device, [2, 3])
         _check(runner.run(cont), want, host, tol)

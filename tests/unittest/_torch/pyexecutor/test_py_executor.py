@@ -133,7 +133,8 @@ def test_step_stats_count_every_step_once(tiny_llama_dir, tiny_drafters, make_ll
     llm = make_llm(tiny_llama_dir, max_batch_size=3, **kw)
     before = llm.get_stats()["steps"]
     assert before == {"total": 0, "with_prompt_chunks": 0, "read_in_flight_first": 0, "prompts_beside_in_flight": 0,
-                      "prompts_beside_one_graph": 0, "prompts_read_late": 0, "one_graph": 0, "target_graph": 0, "packed_graph": 0, "piecewise": 0, "eager": 0,
+                      "prompts_beside_one_graph": 0, "prompts_read_late": 0, "one_graph": 0, "target_graph": 0,
+                      "packed_graph": 0, "piecewise": 0, "eager": 0,
                       "seconds": 0.0, "seconds_with_prompt_chunks": 0.0}
     row = run_concurrency(llm, prompts, 3, PARAMS)
     st = llm.get_stats()["steps"]
