@@ -271,7 +271,8 @@ class PyExecutor:
             else:
                 if beside is not None:   # read together, the prompts first
                     self.prompts_beside_one_graph += 1
-                    step = SpecSteps([self._launch_choice(reqs[:num_ctx], segments[:num_ctx], num_ctx, out),
+                    step = SpecSteps([self._launch_choice(reqs[:num_ctx], segments[:num_ctx], num_ctx, out,
+                                                          beside_one_graph=True),
                                       self._launch_choice(reqs[num_ctx:], segments[num_ctx:], 0, beside.out, beside)])
                 else:
                     step = self._launch_choice(reqs, segments, num_ctx, out, launch)
@@ -381,7 +382,8 @@ class PyExecutor:
         self._wake.set()
 
     def _launch_choice(self, reqs: list[LlmRequest], segments: list[ForwardSegment], num_ctx: int,
-                       out: ForwardOutput, launch: Optional[SpecLaunch] = None) -> "SpecStep":
+                       out: ForwardOutput, launch: Optional[SpecLaunch] = None,
+                       beside_one_graph: bool = False) -> "SpecStep":
         """Queue every token choice of the step on the device and their ONE device->host copy: the
         chosen id per prompt-end row (argmax, or a draw for sampling requests) and, with a drafter,
         the verify rows; then launch the next drafts from the device-side verify rows (so the GPU
@@ -420,7 +422,8 @@ class PyExecutor:
             # the arrivals draft ahead too when the rest of the step may be read late
             rest_ahead = not live or (ahead is not None and all(reqs[i].request_id in ahead.rows for i in live))
             if self.spec_overlap and num_ctx and ids is not None and out.captured is not None and rest_ahead:
-                first, arrivals = launch_arrivals(drafter, reqs[:num_ctx], segments[:num_ctx], out, ids)
+                first, arrivals = launch_arrivals(drafter, reqs[:num_ctx], segments[:num_ctx], out, ids,
+                                                  beside_one_graph)
                 if first is not None:
                     ahead = first if ahead is None else ahead.join(first)
         except Exception as e:

@@ -278,6 +278,20 @@ class DSparkWorker(Drafter):
         self._mark_written(commits)        # an arrival the launch leaves out does not write it again
         return self._launch_last_rows(commits, anchors, captured)
 
+    @torch.inference_mode()
+    def anchor_arrivals(self, commits: Sequence[StepCommit], anchors: torch.Tensor,
+                        captured: torch.Tensor) -> Optional[DraftsAhead]:
+        """Rows [committed 1 | anchor | mask_token_id x K] (the draft launch's layout), after writing
+        the draft context the target forward did not."""
+        if self.graph_runner is None or not commits:
+            return None
+        self._write_context(self._unwritten(commits), captured)
+        self._mark_written(commits)
+        rows = anchors.new_full((len(commits), 2 + self.max_draft_len), self.mask_token_id)
+        rows[:, 0] = 1
+        rows[:, 1] = anchors.view(-1)
+        return DraftsAhead({c.req.request_id: j for j, c in enumerate(commits)}, PendingTokens(rows))
+
     @property
     def writes_forward_context(self) -> bool:
         return True

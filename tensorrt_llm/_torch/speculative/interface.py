@@ -107,6 +107,18 @@ class Drafter(ABC):
         host update. A drafter that cannot launch early returns None."""
         return None
 
+    def anchor_arrivals(self, commits: Sequence[StepCommit], anchors: torch.Tensor,
+                        captured: torch.Tensor) -> Optional[DraftsAhead]:
+        """The first verify segments of prompts that end in this step, without a draft launch: each
+        request's row holds its chosen token anchors[i] ([len(commits)] int64 on the device) and
+        placeholder drafts, which the next verify step checks like any drafts (lossless: it commits
+        the target's token after the anchor and whatever placeholders match) and then drafts for it.
+        For prompt chunks beside a one-graph step, whose graph drafts the arrivals one step later
+        instead of a draft launch of their own now. Writes the draft context of the committed prompt
+        rows where the target forward did not (captured [T, n*H]: the step's captured rows). None
+        from a drafter that cannot (`draft_arrivals` then)."""
+        return None
+
     @property
     def writes_forward_context(self) -> bool:
         """`write_forward_context` runs here (after `bind`): the packed-step graph of the target

@@ -37,8 +37,8 @@ def test_arrivals_are_read_one_step_late(make_llm, tiny_llama_dir, tiny_drafters
 
     real = py_executor.launch_arrivals
 
-    def one_late(drafter, reqs, segments, out, ids):
-        ahead, whole = real(drafter, reqs, segments, out, ids)
+    def one_late(drafter, reqs, segments, out, ids, *beside):
+        ahead, whole = real(drafter, reqs, segments, out, ids, *beside)
         for req in reqs if whole else ():
             req.num_computed += 1
         return ahead, whole
@@ -223,3 +223,51 @@ def test_prompt_context_written_by_the_forward_is_not_written_again(make_llm, ti
 def _unmarked(out):
     out.context_segments = 0
     return out
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_arrivals_beside_the_one_graph_step_carry_placeholder_drafts(make_llm, tiny_llama_dir, tiny_drafters,
+                                                                     monkeypatch, kind):
+    """Prompt chunks beside a one-graph step launch no draft step: their rows hold the chosen id and
+    placeholder drafts (`anchor_arrivals`), which the next step verifies and then drafts from; a
+    prompt-only step still launches its arrivals' drafts. Output equals no-spec greedy, with the
+    placeholders used many times. Negative control: rows whose anchor is not the chosen id change the
+    output (the next step really continues from these rows). A drafter that declines gets the
+    arrivals' draft launch instead (still lossless)."""
+    from tensorrt_llm._torch.speculative.dspark_worker import DSparkWorker
+    calls = {"anchor": 0, "launch": 0}
+    real_anchor, real_launch = DSparkWorker.anchor_arrivals, DSparkWorker.draft_arrivals
+
+    def anchor(self, commits, anchors, captured):
+        ahead = real_anchor(self, commits, anchors, captured)
+        calls["anchor"] += ahead is not None
+        return ahead
+
+    def launch(self, commits, anchors, captured):
+        calls["launch"] += 1
+        return real_launch(self, commits, anchors, captured)
+    monkeypatch.setattr(DSparkWorker, "anchor_arrivals", anchor)
+    monkeypatch.setattr(DSparkWorker, "draft_arrivals", launch)
+    rng = random.Random(7)
+    prompts = random_prompts(rng, 30)
+    params = [SamplingParams(max_tokens=rng.randrange(2, 40), ignore_eos=True) for _ in prompts]
+    want, _, _ = generate_run(make_llm, tiny_llama_dir, prompts, params, overlap=False)
+    got, stats, ex = generate_run(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters[kind],
+                                  max_batch_size=4)
+    assert got == want
+    assert calls["anchor"] == ex.prompts_beside_one_graph >= 5
+    assert calls["launch"] >= 1                    # the first prompt-only step
+    assert stats["steps"]["prompts_read_late"] >= calls["anchor"]
+
+    def wrong_anchor(self, commits, anchors, captured):
+        return real_anchor(self, commits, (anchors + 1) % 500, captured)
+    monkeypatch.setattr(DSparkWorker, "anchor_arrivals", wrong_anchor)
+    bad, _, _ = generate_run(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters[kind], max_batch_size=4)
+    assert bad != want
+
+    calls.update(anchor=0, launch=0)
+    monkeypatch.setattr(DSparkWorker, "anchor_arrivals", lambda self, commits, anchors, captured: None)
+    got2, _, ex2 = generate_run(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters[kind],
+                                max_batch_size=4)
+    assert got2 == want
+    assert calls["anchor"] == 0 and calls["launch"] >= ex2.prompts_beside_one_graph >= 5

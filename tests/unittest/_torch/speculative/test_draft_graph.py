@@ -211,7 +211,8 @@ def test_auto_drafter_takes_the_graph_backend_and_arrivals_stay_lossless(llama64
     """Drafter on AUTO with CUDA graphs: every draft step runs the device draft step's TRITON backend
     (a step with an arriving prompt drafts eagerly, with no host plan); staggered arrivals on a
     TRITON target give the no-spec graph engine's output token for token, prompt-only steps among
-    them read one step late (`draft_arrivals`). Control: an explicit
+    them read one step late (`draft_arrivals`), arrivals beside a one-graph step among them
+    (`anchor_arrivals`). Control: an explicit
     FLASHINFER choice is kept."""
     from tensorrt_llm._torch.attention_backend.triton_backend import TritonAttention
     drafter = _drafter(tmp_path_factory, llama64_dir, kind)
@@ -228,9 +229,10 @@ def test_auto_drafter_takes_the_graph_backend_and_arrivals_stay_lossless(llama64
         assert chosen["name"] == "TRITON" and chosen["reason"].startswith("AUTO with CUDA graphs"), chosen
         assert isinstance(worker.backend, TritonAttention) and worker.backend is not worker.graph_runner.backend
         toks = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        read_late = llm.get_stats()["steps"]["prompts_read_late"]
+        steps = llm.get_stats()["steps"]
     assert toks == baseline
-    assert read_late > 0      # prompt-only steps drafted their arrivals from the device ids
+    assert steps["prompts_read_late"] > 0      # prompt-only steps drafted their arrivals from the device ids
+    assert steps["prompts_beside_one_graph"] > 0   # arrivals beside a one-graph step (placeholder drafts)
     pytest.importorskip("flashinfer")
     with LLM(str(llama64_dir), speculative_config={**spec, "attention_backend": "FLASHINFER"}, **common) as llm:
         assert llm.capacity_report["attention_backend"]["draft"]["name"] == "FLASHINFER"
