@@ -90,9 +90,10 @@ class DraftsAhead:
     first: int = 0       # column of `committed`
 
     def join(self, other: "DraftsAhead") -> "DraftsAhead":
-        """Both launches' rows as one, from their `committed` columns on (first = 0; one device copy):
-        the launches of one executor step (verify segments and arrivals). ValueError when their rows
-        differ after that column or a request is in both."""
+        """Both launches' rows as one, from their `committed` columns on (first = 0; one device copy,
+        the host rows read from both launches' own copies): the launches of one executor step (verify
+        segments and arrivals). ValueError when their rows differ after that column or a request is
+        in both."""
         a, b = self.tokens.width - self.first, other.tokens.width - other.first
         if a != b:
             raise ValueError(f"drafts ahead of different layouts: {a} / {b} columns from the committed count on")
@@ -101,8 +102,7 @@ class DraftsAhead:
             raise ValueError(f"requests {sorted(both)[:8]} were drafted ahead twice in one step")
         n = self.tokens.num_rows
         rows = {**self.rows, **{rid: n + j for rid, j in other.rows.items()}}
-        ids = torch.cat([self.tokens.device[:, self.first:], other.tokens.device[:, other.first:]])
-        return DraftsAhead(rows, PendingTokens(ids))
+        return DraftsAhead(rows, PendingTokens.stacked([(self.tokens, self.first), (other.tokens, other.first)]))
 
     def drafts(self, request_id: int) -> TokenRow:
         """[d1..dK] of a request."""

@@ -39,6 +39,17 @@ class PendingTokens:
         else:
             self._host = device_ids
         self._rows: Optional[list[list[int]]] = None
+        self._parts: tuple[tuple[PendingTokens, int], ...] = ()
+
+    @classmethod
+    def stacked(cls, parts: Sequence[tuple["PendingTokens", int]]) -> "PendingTokens":
+        """The rows of several (pending, first column) parts as one [sum B, K]: one device cat, and no
+        host copy of its own: the host rows come from the parts' copies (reading waits for those)."""
+        ids = torch.cat([p.device[:, first:] for p, first in parts])
+        out = cls.__new__(cls)
+        out.device, (out.num_rows, out.width) = ids, ids.shape
+        out._event, out._host, out._rows, out._parts = None, None, None, tuple(parts)
+        return out
 
     def __len__(self) -> int:
         return self.num_rows
@@ -46,6 +57,9 @@ class PendingTokens:
     def rows(self) -> list[list[int]]:
         """[B][K] host ints (the first call waits until the copy has landed)."""
         if self._rows is None:
+            if self._parts:
+                self._rows = [row[first:] for p, first in self._parts for row in p.rows()]
+                return self._rows
             if self._event is not None:
                 self._event.synchronize()
             self._rows = self._host.tolist()

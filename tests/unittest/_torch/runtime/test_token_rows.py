@@ -26,6 +26,23 @@ def test_rows_lengths_and_values():
         PendingTokens(torch.arange(4))
 
 
+def test_stacked_rows_come_from_the_parts_copies():
+    """`PendingTokens.stacked` (DraftsAhead.join): the device rows are the parts' from their first
+    columns, in order; the host rows are read from the parts' own copies, not from a copy of the
+    stacked tensor (a write into the stacked device rows does not show; it does in a plain
+    PendingTokens of the same tensor, the control). Nested stacks read through."""
+    a = PendingTokens(torch.tensor([[9, 1, 2, 3], [9, 4, 5, 6]]))
+    b = PendingTokens(torch.tensor([[7, 8, 9]]))
+    both = PendingTokens.stacked([(a, 1), (b, 0)])
+    assert (both.num_rows, both.width) == (3, 3)
+    assert both.device.tolist() == [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    both.device[0, 0] = -5
+    plain = PendingTokens(both.device)
+    assert both.rows() == [[1, 2, 3], [4, 5, 6], [7, 8, 9]] and plain.rows()[0][0] == -5
+    three = PendingTokens.stacked([(both, 0), (PendingTokens(torch.tensor([[0, 1, 2, 3]])), 1)])
+    assert three.rows()[2:] == [[7, 8, 9], [1, 2, 3]] and three.row(3, 2, 1).tolist() == [2, 3]
+
+
 def test_gather_drafts_matches_the_host_values_in_any_row_order():
     q, bucket = 5, 6
     a = PendingTokens(torch.randint(0, 1000, (4, q - 1)))
