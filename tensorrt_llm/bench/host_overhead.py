@@ -202,7 +202,7 @@ def build(batch: int, tok: TokenizerWrapper, stream: list[int], streaming: bool,
     params = SamplingParams(max_tokens=max_tokens)
     for rid in range(batch):
         prompt = [rng.choice(stream) for _ in range(prompt_len)]
-        req = LlmRequest(rid, prompt, params, end_ids=frozenset(tok.eos_token_ids))
+        req = LlmRequest(rid, prompt, params, end_ids=frozenset(tok.eos_token_ids), streaming=streaming)
         handle = GenerationResult(rid, None, prompt, tok.decode, params.stop_strings,
                                   params.include_stop_str_in_output, streaming)
         ex.enqueue_request(req, timer.wrap(handle._update, "callbacks"))

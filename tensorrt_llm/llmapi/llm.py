@@ -159,7 +159,7 @@ class LLM:
         end_ids = set() if params.ignore_eos else (
             {params.end_id} if params.end_id is not None else set(self.tokenizer.eos_token_ids))
         req = LlmRequest(rid, ids, params, end_ids=frozenset(end_ids), context_only=context_only,
-                         prefilled=prefilled)
+                         prefilled=prefilled, streaming=streaming)
         handle = GenerationResult(rid, text, ids, self.tokenizer.decode, params.stop_strings,
                                   params.include_stop_str_in_output, streaming, abort=self.abort,
                                   stream_interval=self.args.stream_interval)

@@ -88,7 +88,9 @@ class PyExecutor:
 
     def enqueue_requests(self, items: Sequence[tuple[LlmRequest, UpdateCallback]]) -> None:
         """Submit requests as one group: the loop admits all of them before its next step, so the
-        batches of one `LLM.generate` call do not depend on how fast the caller submitted them."""
+        batches of one `LLM.generate` call do not depend on how fast the caller submitted them.
+        Each callback gets (request, new tokens) at the end of every step that gave its request
+        tokens when `req.streaming`, else once, when the request has finished."""
         with self._submit_lock:
             if self.fatal_error is not None:
                 raise RuntimeError(f"executor stopped after a fatal error: {self.fatal_error}")
@@ -583,14 +585,18 @@ class PyExecutor:
         self._notify(req, append_tokens(req, tokens, self.decode))
 
     def _notify(self, req: LlmRequest, new_tokens: list[int]) -> None:
+        if not (req.streaming or req.is_finished):
+            return          # every way a request finishes notifies it again (`_deliver`)
         if self._notices is not None:
             self._notices.append((req, new_tokens))   # delivered at the end of the step
         else:
             self._deliver(req, new_tokens)
 
     def _deliver(self, req: LlmRequest, new_tokens: list[int]) -> None:
-        cb = self._callbacks.get(req.request_id)
+        """The request's callback: every notice of a streaming request, else only the final one."""
+        finished = req.is_finished
+        if not (finished or req.streaming):
+            return
+        cb = self._callbacks.pop(req.request_id, None) if finished else self._callbacks.get(req.request_id)
         if cb is not None:
             cb(req, new_tokens)
-        if req.is_finished:
-            self._callbacks.pop(req.request_id, None)

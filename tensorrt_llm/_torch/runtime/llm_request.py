@@ -68,6 +68,8 @@ class LlmRequest:
     # and keeps its pages until `PyExecutor.release_kv`; a GEN request arrives with `prefilled`
     context_only: bool = False
     prefilled: Optional[PrefilledKV] = None
+    # the caller's update callback wants every step's tokens; otherwise only the final notice
+    streaming: bool = False
 
     @property
     def acceptance_length(self) -> Optional[float]:

@@ -168,3 +168,24 @@ def test_prompt_steps_beside_a_dspark_step_in_flight_are_lossless(tiny_llama_dir
     st = llm.get_stats()["steps"]
     assert st["prompts_beside_in_flight"] > 0, st
     assert got == want
+
+
+def test_only_streaming_requests_are_notified_every_step(tiny_llama_dir, make_llm, monkeypatch):
+    """A request's update callback runs at every step that gave it tokens when it streams, and once,
+    finished, when it does not (the LLM API reads only its final state then). Outputs are the same."""
+    from tensorrt_llm.llmapi.outputs import GenerationResult
+    calls: dict[int, list[bool]] = {}
+    real = GenerationResult._update
+
+    def spy(self, req, new_tokens):
+        calls.setdefault(req.request_id, []).append(req.is_finished)
+        real(self, req, new_tokens)
+    monkeypatch.setattr(GenerationResult, "_update", spy)
+    llm = make_llm(tiny_llama_dir)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    plain = llm.generate_async([5, 6, 7, 8], params)
+    streamed = llm.generate_async([5, 6, 7, 8], params, streaming=True)
+    a, b = plain.result(timeout=60), streamed.result(timeout=60)
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids and len(a.outputs[0].token_ids) == 12
+    assert calls[a.request_id] == [True]
+    assert len(calls[b.request_id]) >= 12 and calls[b.request_id][-1] and not any(calls[b.request_id][:-1])
