@@ -12,6 +12,9 @@ def append_tokens(req: LlmRequest, tokens: Sequence[int], decode: Callable[[list
     tokens appended."""
     p = req.sampling_params
     stop_ids, out = req.stop_token_set, req.output_token_ids
+    if not p.stop and len(out) + len(tokens) < p.max_tokens and stop_ids.isdisjoint(tokens):
+        out.extend(tokens)     # the common case: nothing here can finish the request
+        return list(tokens)
     emitted: list[int] = []
     for tok in tokens:
         if tok in stop_ids:

@@ -25,3 +25,19 @@ def test_stop_id_max_tokens_and_stop_string():
     assert append_tokens(req, [0, 2, 3, 4], _decode) == [0, 2, 3] and req.finish_reason == "stop"
     req = _req(max_tokens=10, stop="zz", ignore_eos=True)         # control: no stop, nothing finishes
     assert append_tokens(req, [0, 2, 3, 4], _decode) == [0, 2, 3, 4] and not req.is_finished
+
+
+def test_runs_that_cannot_finish_and_the_boundaries():
+    """Tokens that neither reach max_tokens nor hold a stop id are all appended (returned as a new
+    list); the run that reaches max_tokens exactly finishes by length; a stop id anywhere in a run
+    with room left still stops it there."""
+    req = _req(max_tokens=4, ignore_eos=True)
+    toks = [1, 2]
+    got = append_tokens(req, toks, _decode)
+    assert got == [1, 2] and got is not toks and not req.is_finished
+    assert append_tokens(req, [3, 4], _decode) == [3, 4] and req.finish_reason == "length"
+    assert req.output_token_ids == [1, 2, 3, 4]
+    req = _req(max_tokens=100, stop_token_ids=[9], ignore_eos=True)
+    assert append_tokens(req, [1, 2, 3], _decode) == [1, 2, 3] and not req.is_finished
+    assert append_tokens(req, [4, 9, 5], _decode) == [4] and req.finish_reason == "stop"
+    assert req.output_token_ids == [1, 2, 3, 4]
