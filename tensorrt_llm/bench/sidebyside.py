@@ -125,7 +125,8 @@ def _steps(rs: Sequence[dict]) -> Optional[dict]:
 
 
 def summarize(rows: Sequence[dict], arm_order: Sequence[str], ratio_to: Optional[str]) -> list[dict]:
-    """One entry per (arm, C): tok/s, TPOT and AL spreads over rounds, ratio of medians to ``ratio_to``."""
+    """One entry per (arm, C): tok/s, TPOT, TTFT (mean and p99 of each round) and AL spreads over
+    rounds, ratio of medians to ``ratio_to``."""
     out = []
     levels = sorted({r["concurrency"] for r in rows})
     for arm in arm_order:
@@ -137,6 +138,8 @@ def summarize(rows: Sequence[dict], arm_order: Sequence[str], ratio_to: Optional
                         "num_requests": rs[0]["num_requests"],
                         "output_tok_s": _spread([r["output_tok_s"] for r in rs]),
                         "tpot_mean_s": _spread([r.get("tpot_mean_s") for r in rs]),
+                        "ttft_mean_s": _spread([r.get("ttft_mean_s") for r in rs]),
+                        "ttft_p99_s": _spread([r.get("ttft_p99_s") for r in rs]),
                         "acceptance_length": _spread([_al(r) for r in rs]), "steps": _steps(rs)})
     if ratio_to is not None:
         ref = {e["concurrency"]: e["output_tok_s"]["median"] for e in out if e["arm"] == ratio_to}
@@ -173,11 +176,14 @@ def format_markdown(summary: Sequence[dict], anchor: Optional[dict] = None) -> s
     (`get_stats()["steps"]`, engine arms) and ms per step; the anchor's ceiling if run."""
     ratio_arm = next((e["ratio_to"]["arm"] for e in summary if e.get("ratio_to")), None)
     head = ["arm", "C", "rounds", "requests", "out tok/s median (min-max)", "TPOT ms median (min-max)",
-            "AL median (min-max)"] + ([f"x {ratio_arm}"] if ratio_arm else [])
+            "TTFT ms mean / p99 (medians)", "AL median (min-max)"] + ([f"x {ratio_arm}"] if ratio_arm else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for e in summary:
+        ttft = [e.get(k) for k in ("ttft_mean_s", "ttft_p99_s")]
         cells = [e["arm"], str(e["concurrency"]), str(e["rounds"]), str(e["num_requests"]),
-                 _fmt(e["output_tok_s"], 0), _fmt(e["tpot_mean_s"], 2, 1e3), _fmt(e["acceptance_length"], 2)]
+                 _fmt(e["output_tok_s"], 0), _fmt(e["tpot_mean_s"], 2, 1e3),
+                 " / ".join(f"{1e3 * t['median']:.1f}" for t in ttft) if all(ttft) else "-",
+                 _fmt(e["acceptance_length"], 2)]
         if ratio_arm:
             cells.append(f"{e['ratio_to']['median_over_median']:.2f}" if e.get("ratio_to") else "-")
         lines.append("| " + " | ".join(cells) + " |")

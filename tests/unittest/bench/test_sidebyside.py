@@ -12,9 +12,10 @@ import pytest
 from tensorrt_llm.bench import sidebyside as sbs
 
 
-def _row(arm, c, tok_s, r, al=None, tpot=None):
+def _row(arm, c, tok_s, r, al=None, tpot=None, ttft=None):
     return {"arm": arm, "concurrency": c, "output_tok_s": tok_s, "round": r, "num_requests": 16,
-            "tpot_mean_s": tpot, "speculative": None if al is None else {"acceptance_length": al}}
+            "tpot_mean_s": tpot, "speculative": None if al is None else {"acceptance_length": al},
+            "ttft_mean_s": ttft, "ttft_p99_s": None if ttft is None else 3 * ttft}
 
 
 def test_rotated_and_level_requests():
@@ -31,8 +32,8 @@ def test_rotated_and_level_requests():
 
 def test_summarize_median_min_max_and_ratio():
     # tok/s chosen so that mean != median: a reported mean would fail the checks below
-    rows = [_row("spec", 1, v, r, al=a, tpot=t) for r, (v, a, t) in
-            enumerate([(100.0, 3.0, 0.010), (110.0, 2.0, 0.030), (400.0, 2.5, 0.020)])]
+    rows = [_row("spec", 1, v, r, al=a, tpot=t, ttft=f) for r, (v, a, t, f) in
+            enumerate([(100.0, 3.0, 0.010, 0.004), (110.0, 2.0, 0.030, 0.002), (400.0, 2.5, 0.020, 0.009)])]
     rows += [_row("base", 1, v, r) for r, v in enumerate([50.0, 55.0, 60.0])]
     rows += [_row("spec", 16, v, r, al=2.8) for r, v in enumerate([1000.0, 2000.0, 3000.0, 4000.0])]
     out = sbs.summarize(rows, ["base", "spec"], ratio_to="base")
@@ -49,8 +50,9 @@ def test_summarize_median_min_max_and_ratio():
     md = sbs.format_markdown(out)
     lines = md.splitlines()
     assert len(lines) == 2 + 3 and "x base" in lines[0]
-    assert "| spec | 1 | 3 | 16 | 110 (100-400) | 20.00 (10.00-30.00) | 2.50 (2.00-3.00) | 2.00 |" in lines
-    assert "| spec | 16 | 4 | 16 | 2,500 (1,000-4,000) | - | 2.80 (2.80-2.80) | - |" in lines
+    assert spec1["ttft_mean_s"]["median"] == pytest.approx(0.004) and spec1["ttft_p99_s"]["max"] == pytest.approx(0.027)
+    assert "| spec | 1 | 3 | 16 | 110 (100-400) | 20.00 (10.00-30.00) | 4.0 / 12.0 | 2.50 (2.00-3.00) | 2.00 |" in lines
+    assert "| spec | 16 | 4 | 16 | 2,500 (1,000-4,000) | - | - | 2.80 (2.80-2.80) | - |" in lines
     compact = sbs.format_compact(out).splitlines()
     assert compact[0] == "| arm | C=1 tok/s | C=16 tok/s | AL |"
     assert compact[2:] == ["| base | 55 (50-60) | - |  |", "| spec | 110 (100-400) | 2,500 (1,000-4,000) | 2.50 / 2.80 |"]
