@@ -72,6 +72,11 @@ class DSparkDecodingConfig(StrictBaseModel):
         "the queries' and K / latent rows' RMSNorm + RoPE and their page-bounded append as one CuTe DSL launch "
         "per layer (CUDA sm90+, the 'cutedsl' extra; a drafter with layer regions and half-rotation RoPE, else "
         "the load raises). AUTO does not pick CUTEDSL.")
+    mla_fold_output: bool = Field(
+        default=False, description="MLA drafters: fold W_UV into o_proj at load, so each layer takes its "
+        "absorbed attention's latent output to the hidden size in one [hidden, heads x kv_lora_rank] GEMM "
+        "instead of the per-head W_UV product and o_proj (folded in float32, stored in the drafter's dtype). "
+        "Needs an MLA drafter without quant_config, else the load raises.")
     mask_token_id: Optional[int] = Field(
         default=None, ge=0, description="Override of dspark_config.mask_token_id.")
     target_layer_ids: Optional[list[int]] = Field(

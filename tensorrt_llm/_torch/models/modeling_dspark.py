@@ -79,8 +79,9 @@ class DSparkDecoderLayer(nn.Module):
         if r is None:
             h = h + self.self_attn(self.input_layernorm(h), positions, kv_cache, md, backend)
             return h + self.mlp(self.post_attention_layernorm(h))
-        n = self.post_attention_layernorm
-        return r.output(h, self.attention(h, positions, kv_cache, md, backend, rope), self.self_attn.o_proj.weight,
+        n, a = self.post_attention_layernorm, self.self_attn
+        o_w = a.output_weight() if isinstance(a, MLAAttention) else a.o_proj.weight
+        return r.output(h, self.attention(h, positions, kv_cache, md, backend, rope), o_w,
                         n.weight, n.eps, self.mlp._gate_up, self.mlp.down_proj.weight)
 
     def fuses_rope_append(self, backend: AttentionBackend) -> bool:
@@ -198,6 +199,19 @@ class DSparkForCausalLMBase(nn.Module, ABC):
         if qc is not None:
             self.fc = FP8BlockLinear.from_linear(self.fc, qc)
         self.fuse_projections()
+
+    def fold_mla_output(self) -> None:
+        """`MLAAttention.fold_output` on every layer (`DSparkDecodingConfig.mla_fold_output`), after
+        `post_load_weights`, before any graph is captured. ValueError for a GQA drafter, or one with
+        quant_config (its layers keep their FP8 block-scaled modules)."""
+        if not self.config.is_mla:
+            raise ValueError(f"mla_fold_output folds an MLA drafter's W_UV into o_proj; this drafter is "
+                             f"{self.config.architecture}")
+        if self.config.quant_config is not None:
+            raise ValueError("mla_fold_output needs a drafter without quant_config (its o_proj is FP8 "
+                             "block-scaled)")
+        for layer in self.layers:
+            layer.self_attn.fold_output()
 
     def fuse_projections(self) -> None:
         """Inference-time GEMM fusion (GQA q|k|v, gate|up; the parameters become views, the state

@@ -77,6 +77,8 @@ class MLAAttention(nn.Module):
         # contiguous W_UK / W_UV, set by post_load_weights (not in the state dict; follow .to())
         self.register_buffer("w_uk", None, persistent=False)
         self.register_buffer("w_uv", None, persistent=False)
+        # o_proj through W_UV, [hidden, H * kv_lora_rank], set by fold_output (absorbed path only)
+        self.register_buffer("w_o_abs", None, persistent=False)
 
     # ---- projections -------------------------------------------------------------------
     def project_latent(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -118,17 +120,36 @@ class MLAAttention(nn.Module):
         self.w_uk = w[:, :self.qk_nope_head_dim].contiguous()
         self.w_uv = w[:, self.qk_nope_head_dim:].contiguous()
 
+    def fold_output(self) -> None:
+        """Fold W_UV into o_proj, once after `post_load_weights`, for inference: one [hidden, H x
+        kv_lora_rank] weight (`output_weight`) takes the absorbed attention's latent-space output to
+        the hidden size in one GEMM, instead of the per-head W_UV product (with its layout copies) and
+        then o_proj. Computed in float32, stored in o_proj's dtype. Absorbed attention only."""
+        if not self.absorb:
+            raise ValueError("fold_output folds W_UV into o_proj for the absorbed attention; this one is "
+                             "un-absorbed")
+        w_uv = self.w_uk_uv()[1].float()                                      # [H, v, R]
+        wo = self.o_proj.weight.float().view(-1, self.num_heads, self.v_head_dim)   # [hidden, H, v]
+        self.w_o_abs = torch.einsum("dhv,hvr->dhr", wo, w_uv).reshape(wo.shape[0], -1).to(self.o_proj.weight.dtype)
+
+    def output_weight(self) -> torch.Tensor:
+        """The weight that takes `attend`'s output to the hidden size: [hidden, H * kv_lora_rank] once
+        folded (`fold_output`), else o_proj's [hidden, H * v_head_dim]."""
+        return self.w_o_abs if self.w_o_abs is not None else self.o_proj.weight
+
     # ---- attention ---------------------------------------------------------------------
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 md: AttentionMetadata, backend: AttentionBackend,
                 latent: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden] (`attend`, then o_proj)."""
-        return self.o_proj(self.attend(x, positions, kv_cache, md, backend, latent))
+        """x: [T, hidden] -> [T, hidden] (`attend`, then o_proj, or the folded weight: `fold_output`)."""
+        o = self.attend(x, positions, kv_cache, md, backend, latent)
+        return torch.nn.functional.linear(o, self.w_o_abs) if self.w_o_abs is not None else self.o_proj(o)
 
     def attend(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                md: AttentionMetadata, backend: AttentionBackend,
                latent: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x: [T, hidden] -> the heads' outputs [T, H * v_head_dim], before o_proj.
+        """x: [T, hidden] -> the heads' outputs [T, H * v_head_dim] before o_proj ([T, H * kv_lora_rank]
+        in latent space once folded, `fold_output`).
 
         kv_cache: [num_pages, 1, 1, P, kv_lora_rank + rope]. The new tokens' latents
         (`latent` [T, Dl], or projected from x) are written at md.slot_mapping first.
@@ -161,7 +182,10 @@ class MLAAttention(nn.Module):
                                                           self.scale, self.kv_lora_rank))
 
     def _from_latent(self, o_lat: torch.Tensor) -> torch.Tensor:
-        """o_lat [T, H, R] attention output in latent space -> [T, H * v_head_dim] through W_UV."""
+        """o_lat [T, H, R] attention output in latent space -> [T, H * v_head_dim] through W_UV, or
+        [T, H * R] as it is once W_UV is folded into the output weight (`fold_output`)."""
+        if self.w_o_abs is not None:
+            return o_lat.reshape(o_lat.shape[0], -1).to(self.w_o_abs.dtype)
         w_uv = self.w_uk_uv()[1]
         o = torch.einsum("thr,hvr->thv", o_lat.to(w_uv.dtype), w_uv)          # [T, H, v]
         return o.reshape(o_lat.shape[0], self.num_heads * self.v_head_dim)

@@ -472,6 +472,8 @@ def create_dspark_worker(cfg: DSparkDecodingConfig, target: torch.nn.Module, dty
     # the draft block looks past the last committed token: rope positions as far as the target's
     drafter = load_drafter(cfg.speculative_model, target.config, dtype, device, overrides,
                            max_positions=target.rotary.max_positions)
+    if cfg.mla_fold_output:
+        drafter.fold_mla_output()
     n_layers = target.config.num_hidden_layers
     bad = [i for i in drafter.config.target_layer_ids if not 0 <= i < n_layers]
     if bad:

@@ -181,3 +181,26 @@ def test_unabsorbed_rejects_missing_page():
     x_ctx, x_blk = inputs(paged, g)
     with pytest.raises(ValueError, match="no page"):
         m(x_blk, paged.blk_pos, torch.zeros(NUM_PAGES, 1, 1, P, R + ROPE), paged.md, VanillaAttention())
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 24])
+def test_folded_output_equals_w_uv_then_o_proj(q_lora_rank):
+    """`fold_output`: the absorbed attention's latent output through the one folded weight equals W_UV
+    per head then o_proj (float32); the module's output weight is then [hidden, H * R]. Control: a fold
+    from W_UV with its heads rolled lands far off. The un-absorbed path refuses to fold."""
+    g = torch.Generator().manual_seed(21)
+    paged = Paged([6, 11], blk=4, causal=True, g=g)
+    m = make_mla(3, q_lora_rank=q_lora_rank)
+    m.post_load_weights()
+    x_ctx, x_blk = inputs(paged, g)
+    want = run_paged(m, paged, torch.cat(x_ctx), x_blk)
+    folded = copy.deepcopy(m)
+    folded.fold_output()
+    assert folded.output_weight().shape == (HIDDEN, HEADS * R)
+    assert rel_err(run_paged(folded, paged, torch.cat(x_ctx), x_blk), want) < 1e-5
+    rolled = copy.deepcopy(m)
+    rolled.w_uv = rolled.w_uv.roll(1, dims=0)
+    rolled.fold_output()
+    assert rel_err(run_paged(rolled, paged, torch.cat(x_ctx), x_blk), want) > 1e-2
+    with pytest.raises(ValueError, match="un-absorbed"):
+        make_mla(3, absorb=False).fold_output()

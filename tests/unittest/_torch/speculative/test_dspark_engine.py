@@ -311,3 +311,24 @@ def test_acceptance_window_resets(tiny_llama_dir, drafters):
         llm.generate(PROMPTS[:1], params)
         window = llm.get_stats()["speculative"]["request_steps"]
     assert first > 0 and window == cumulative - first      # the same request alone, counted again
+
+
+def test_mla_fold_output_is_lossless_and_refused_for_gqa(tiny_llama_dir, drafters, baseline):
+    """`mla_fold_output`: every layer of the MLA drafter takes its latent attention output through the
+    folded [hidden, H * R] weight; greedy output equals no-spec's and the unfolded drafter's accept
+    statistics (float32 on the CPU: the same drafts). A GQA drafter with it is refused at load."""
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    plain, s_plain = _run(tiny_llama_dir, PROMPTS, params, speculative_config=_spec(drafters["mla"]))
+    with LLM(str(tiny_llama_dir), device="cpu", kv_cache_config={"max_tokens": 4096, "tokens_per_block": 16},
+             speculative_config=_spec(drafters["mla"], mla_fold_output=True)) as llm:
+        layers = llm._executor.drafter.drafter.layers
+        r = layers[0].self_attn
+        assert all(layer.self_attn.w_o_abs is not None for layer in layers)
+        assert r.output_weight().shape == (r.o_proj.weight.shape[0], r.num_heads * r.kv_lora_rank)
+        toks = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        stats = llm.get_stats()
+    assert toks == baseline == plain
+    assert stats["speculative"]["accept_histogram"] == s_plain["speculative"]["accept_histogram"]
+    with pytest.raises(ValueError, match="mla_fold_output folds an MLA drafter"):
+        LLM(str(tiny_llama_dir), device="cpu", kv_cache_config={"max_tokens": 512},
+            speculative_config=_spec(drafters["gqa"], mla_fold_output=True))
