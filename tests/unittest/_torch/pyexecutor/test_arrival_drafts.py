@@ -15,6 +15,16 @@ from tensorrt_llm._torch.pyexecutor.py_executor import PyExecutor
 from tests.unittest._torch.pyexecutor.spec_runs import generate_run, random_prompts
 
 
+def _staggered_runs(make_llm, target, drafter):
+    """30 short requests of random lengths, 4 at a time: (prompts, params, the no-spec greedy output,
+    the overlapped DSpark run's (output, stats, executor))."""
+    rng = random.Random(7)
+    prompts = random_prompts(rng, 30)
+    params = [SamplingParams(max_tokens=rng.randrange(2, 40), ignore_eos=True) for _ in prompts]
+    want, _, _ = generate_run(make_llm, target, prompts, params, overlap=False)
+    return prompts, params, want, generate_run(make_llm, target, prompts, params, True, drafter, max_batch_size=4)
+
+
 @pytest.mark.parametrize("kind", ["gqa", "mla"])
 def test_arrivals_are_read_one_step_late(make_llm, tiny_llama_dir, tiny_drafters, monkeypatch, kind):
     """A prompt-only step launches its prompts' first drafts from the chosen ids on the device and is
@@ -69,12 +79,7 @@ def test_prompts_join_the_continued_segments_in_one_step(make_llm, tiny_llama_di
         mixed.append(bool(batch.context_requests) and self._spec_inflight is not None
                      and bool(batch.generation_requests))
     monkeypatch.setattr(PyExecutor, "_continue_or_complete", counting)
-    rng = random.Random(7)
-    prompts = random_prompts(rng, 30)
-    params = [SamplingParams(max_tokens=rng.randrange(2, 40), ignore_eos=True) for _ in prompts]
-    want, _, _ = generate_run(make_llm, tiny_llama_dir, prompts, params, overlap=False)
-    got, stats, ex = generate_run(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters[kind],
-                                  max_batch_size=4)
+    prompts, params, want, (got, stats, ex) = _staggered_runs(make_llm, tiny_llama_dir, tiny_drafters[kind])
     assert got == want
     assert sum(mixed) >= 5 and ex.prompts_beside_flight == sum(mixed)
     # beside the one-graph step where it took the generating segments (continued, or read on the host)
@@ -248,12 +253,7 @@ def test_arrivals_beside_the_one_graph_step_carry_placeholder_drafts(make_llm, t
         return real_launch(self, commits, anchors, captured)
     monkeypatch.setattr(DSparkWorker, "anchor_arrivals", anchor)
     monkeypatch.setattr(DSparkWorker, "draft_arrivals", launch)
-    rng = random.Random(7)
-    prompts = random_prompts(rng, 30)
-    params = [SamplingParams(max_tokens=rng.randrange(2, 40), ignore_eos=True) for _ in prompts]
-    want, _, _ = generate_run(make_llm, tiny_llama_dir, prompts, params, overlap=False)
-    got, stats, ex = generate_run(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters[kind],
-                                  max_batch_size=4)
+    prompts, params, want, (got, stats, ex) = _staggered_runs(make_llm, tiny_llama_dir, tiny_drafters[kind])
     assert got == want
     assert calls["anchor"] == ex.prompts_beside_one_graph >= 5
     assert calls["launch"] >= 1                    # the first prompt-only step
