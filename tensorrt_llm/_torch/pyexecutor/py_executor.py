@@ -29,6 +29,7 @@ from ..speculative.interface import Drafter
 from .arrival_drafts import launch_arrivals
 from .kv_cache.resource_manager import KVCacheManager
 from .model_engine import ModelEngine
+from .notices import Notices, UpdateCallback
 from .inflight_steps import OverlapStep, SpecStep, SpecSteps, last_token_pending
 from .scheduler import ScheduledBatch, Scheduler
 from .step_watchdog import StepWatchdog
@@ -39,8 +40,6 @@ if TYPE_CHECKING:
     from .spec_step_graph import SpecLaunch
 
 logger = logging.getLogger("tensorrt_llm")
-
-UpdateCallback = Callable[[LlmRequest, list[int]], None]
 
 
 class PyExecutor:
@@ -66,8 +65,7 @@ class PyExecutor:
         self._submit_lock = threading.Lock()     # a submitted group is refused or reaches the loop
         # each item is one group of requests that reaches the scheduler in one drain
         self._incoming: "queue.Queue[list[tuple[LlmRequest, UpdateCallback]]]" = queue.Queue()
-        self._callbacks: dict[int, UpdateCallback] = {}
-        self._notices: Optional[list[tuple[LlmRequest, list[int]]]] = None   # inside a step
+        self.notices = Notices()
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -105,7 +103,7 @@ class PyExecutor:
             except queue.Empty:
                 return
             for req, cb in group:
-                self._callbacks[req.request_id] = cb
+                self.notices.register(req.request_id, cb)
                 self.scheduler.add(req)
 
     # ---- loop --------------------------------------------------------------------------
@@ -173,7 +171,7 @@ class PyExecutor:
                 req.error = reason
                 req.finish("error")
         for req in self._retire_finished() + waiting:
-            self._deliver(req, [])
+            self.notices.deliver(req, [])
 
     def run_until_idle(self) -> None:
         """Synchronous driver (tests, offline)."""
@@ -204,7 +202,7 @@ class PyExecutor:
         self._apply_aborts_and_releases()
         batch = self.scheduler.schedule()
         for req in batch.failed:                 # refused at admission: that request alone
-            self._deliver(req, [])
+            self.notices.deliver(req, [])
         if batch.imported:
             self._import_prefilled(batch.imported)
         if self.overlap:
@@ -216,27 +214,21 @@ class PyExecutor:
             self._continue_or_complete(batch)
         if batch.empty:
             if self._inflight is not None or self._spec_inflight is not None:
-                self._notices = []
-                try:
+                with self.notices.held():
                     if self._inflight is not None:
                         self._read_overlapped()
                     else:
                         self._complete_spec_inflight()
                     self._retire_finished()
-                finally:
-                    self._flush_notices()
             elif stalled:
                 req = self.scheduler.waiting.popleft()
                 req.error = "request can never fit in the KV cache"
                 req.finish("error")
-                self._notify(req, [])
+                self.notices.notify(req, [])
             return
         self.iterations += 1
-        # Notices are delivered at the end of the step: after the next GPU work is launched (the
-        # draft step, or the next overlapped step), and a final notice after the request's pages
-        # are back in the pool (a caller that sees it finished also sees its KV freed).
-        self._notices = []
-        try:
+        # notices at the end of the step: after the next GPU work is launched, pages freed first
+        with self.notices.held():
             ahead = self._spec_inflight.ahead if self._spec_inflight is not None else None
             reqs = batch.context_requests + batch.generation_requests
             segments = build_segments(batch, self.kv, self.drafter, ahead)
@@ -287,13 +279,6 @@ class PyExecutor:
                 else:
                     self._complete(step)
             self._retire_finished()
-        finally:
-            self._flush_notices()
-
-    def _flush_notices(self) -> None:
-        notices, self._notices = self._notices, None
-        for req, tokens in notices or ():
-            self._deliver(req, tokens)
 
     # ---- overlap scheduler ---------------------------------------------------------------
     def _launch_overlapped(self, reqs: list[LlmRequest], segments: list[ForwardSegment], num_ctx: int,
@@ -343,16 +328,15 @@ class PyExecutor:
         its pages stay allocated until `release_kv` (finish reason "context")."""
         if req.context_only and req.state is RequestState.GENERATION:
             req.finish("context")
-            self._notify(req, [])
+            self.notices.notify(req, [])
 
     def _import_prefilled(self, reqs: list[LlmRequest]) -> None:
         """Requests whose prefill ran on another worker: pull their prompt KV into the pages admission
         reserved, then continue as after a local prefill step (first token appended, drafts set).
         A failed pull fails that request alone."""
-        self._notices = []
         room = self.drafter.lookahead_tokens if self.drafter is not None else 0
         kv, p = self.kv, self.kv.tokens_per_block
-        try:
+        with self.notices.held():
             for req in reqs:
                 pre, rid = req.prefilled, req.request_id
                 try:
@@ -373,8 +357,6 @@ class PyExecutor:
                         raise
                     self._fail(req, e)
             self._retire_finished()
-        finally:
-            self._flush_notices()
 
     def release_kv(self, request_id: int) -> None:
         """Free the pages a finished context-only request holds (thread-safe; at the next step).
@@ -468,12 +450,9 @@ class PyExecutor:
             self.prompts_beside_flight += int(bool(batch.context_requests))
             return
         self.reads_before_launch += 1
-        self._notices = []
-        try:
+        with self.notices.held():
             self._complete_spec_inflight()
             self._retire_finished()
-        finally:
-            self._flush_notices()
         batch.generation_requests = [r for r in gens if not r.is_finished]
 
     def _choose_on_device(self, reqs: list[LlmRequest], segments: list[ForwardSegment],
@@ -537,7 +516,7 @@ class PyExecutor:
         req.error = f"{type(e).__name__}: {e}"
         logger.error("request %d failed: %s", req.request_id, req.error)
         req.finish("error")
-        self._notify(req, [])
+        self.notices.notify(req, [])
 
     # ---- abort ---------------------------------------------------------------------------
     def abort(self, request_id: int) -> None:
@@ -564,12 +543,12 @@ class PyExecutor:
             if req.request_id in ids:
                 self.scheduler.abort_waiting(req)
                 req.finish("aborted")
-                self._deliver(req, [])
+                self.notices.deliver(req, [])
         for req in self.scheduler.running:
             if req.request_id in ids and not req.is_finished:
                 req.finish("aborted")
         for req in self._retire_finished():
-            self._deliver(req, [])
+            self.notices.deliver(req, [])
 
     def _retire_finished(self) -> list[LlmRequest]:
         """Free the KV and per-request state of the finished running requests; returns them."""
@@ -582,21 +561,5 @@ class PyExecutor:
 
     def _append(self, req: LlmRequest, tokens: list[int]) -> None:
         """Append newly committed tokens, applying stop criteria in order (`stop_criteria`)."""
-        self._notify(req, append_tokens(req, tokens, self.decode))
+        self.notices.notify(req, append_tokens(req, tokens, self.decode))
 
-    def _notify(self, req: LlmRequest, new_tokens: list[int]) -> None:
-        if not (req.streaming or req.is_finished):
-            return          # every way a request finishes notifies it again (`_deliver`)
-        if self._notices is not None:
-            self._notices.append((req, new_tokens))   # delivered at the end of the step
-        else:
-            self._deliver(req, new_tokens)
-
-    def _deliver(self, req: LlmRequest, new_tokens: list[int]) -> None:
-        """The request's callback: every notice of a streaming request, else only the final one."""
-        finished = req.is_finished
-        if not (finished or req.streaming):
-            return
-        cb = self._callbacks.pop(req.request_id, None) if finished else self._callbacks.get(req.request_id)
-        if cb is not None:
-            cb(req, new_tokens)
