@@ -274,8 +274,7 @@ class DSparkWorker(Drafter):
                        captured: torch.Tensor) -> Optional[DraftsAhead]:
         if self.graph_runner is None or not commits:
             return None
-        self._write_context(self._unwritten(commits), captured)
-        self._mark_written(commits)        # an arrival the launch leaves out does not write it again
+        self._write_arrivals_context(commits, captured)
         return self._launch_last_rows(commits, anchors, captured)
 
     @torch.inference_mode()
@@ -285,8 +284,7 @@ class DSparkWorker(Drafter):
         the draft context the target forward did not."""
         if self.graph_runner is None or not commits:
             return None
-        self._write_context(self._unwritten(commits), captured)
-        self._mark_written(commits)
+        self._write_arrivals_context(commits, captured)
         rows = anchors.new_full((len(commits), 2 + self.max_draft_len), self.mask_token_id)
         rows[:, 0] = 1
         rows[:, 1] = anchors.view(-1)
@@ -309,6 +307,12 @@ class DSparkWorker(Drafter):
             rest = self._launch_from_last(gen, captured)
             if rest:
                 self._draft(rest)
+
+    def _write_arrivals_context(self, commits: Sequence[StepCommit], captured: torch.Tensor) -> None:
+        """The arrivals' prompt-row draft context the target forward did not write, then all of it
+        marked written (an arrival a launch leaves out does not write it again)."""
+        self._write_context(self._unwritten(commits), captured)
+        self._mark_written(commits)
 
     def _unwritten(self, commits: Sequence[StepCommit]) -> list[StepCommit]:
         """The commits whose draft context is not written yet (the packed prompt graph writes its
