@@ -39,8 +39,9 @@ class SpecStep:
     segments: list[ForwardSegment]
     num_ctx: int
     out: ForwardOutput
-    # chosen ids and verify rows: [1, num_chosen + len(live) * verify_width], or (a one-graph step, no
-    # chosen ids) [len(live), W] with the verify rows in the first verify_width columns
+    # chosen ids and verify rows: [1, num_chosen + len(live) * verify_width], or (a one-graph step,
+    # `row_per_request`) [len(reqs), W]: row i is reqs[i]'s, a prompt's chosen id in column 0, a verify
+    # row in the first verify_width columns
     copy: Optional[PendingTokens]
     num_chosen: int
     live: list[int]                    # indices into reqs of the verify rows, in order
@@ -49,6 +50,7 @@ class SpecStep:
     # a step whose every prompt chunk ends a prompt that `ahead` drafted from its chosen id on the device
     # (they continue from those rows: generating, each one position short of its prompt on the host)
     arrivals_ahead: bool = False
+    row_per_request: bool = False
 
     @property
     def parts(self) -> list["SpecStep"]:
@@ -60,10 +62,11 @@ class SpecStep:
         rows = self.copy.rows() if self.copy is not None else [[]]
         n, k1, flat = self.num_chosen, self.verify_width, rows[0]
         verified: list[Optional[list[int]]] = [None] * len(self.reqs)
+        per_request = self.row_per_request
         for j, i in enumerate(self.live):
-            row = flat[n + j * k1:n + (j + 1) * k1] if len(rows) == 1 else rows[j][:k1]
+            row = rows[i][:k1] if per_request else flat[n + j * k1:n + (j + 1) * k1]
             verified[i] = row[:row.index(-1)] if -1 in row else row
-        return flat[:n], verified
+        return ([rows[i][0] for i in range(n)] if per_request else flat[:n]), verified
 
     @property
     def deferrable(self) -> bool:

@@ -22,6 +22,7 @@ from .packed_graph_runner import PackedGraphRunner, shift_tokens, shifted_token_
 from .piecewise_graph_runner import PiecewiseGraphRunner, pack_segments, segment_lengths
 
 if TYPE_CHECKING:
+    from .mixed_step_graph import MixedSpecGraph
     from .spec_step_graph import SpecLaunch, SpecStepGraph
 
 logger = logging.getLogger("tensorrt_llm")
@@ -32,6 +33,7 @@ class StepPaths:
     """How the engine ran its steps, counted since construction (one per step)."""
 
     one_graph: int = 0      # verify, acceptance and draft step as one graph (`SpecStepGraph`)
+    one_graph_with_prompts: int = 0   # ... with arriving prompt chunks in its forward (`MixedSpecGraph`)
     target_graph: int = 0   # the target's whole-step CUDA graph
     packed_graph: int = 0   # one packed-step graph (prompt chunks and the steps they join; `ragged_graphs` backends)
     piecewise: int = 0      # piecewise CUDA graphs (the same steps on other backends)
@@ -45,8 +47,9 @@ class ModelEngine:
     captured graph (`CUDAGraphRunner`); any other step (prompt chunks, mixed lengths, clamped
     pages) replays one packed-step graph when the backend reads query offsets and lengths on the
     device (`PackedGraphRunner`, TRITON), else the piecewise graphs around eager attention
-    (`PiecewiseGraphRunner`); a step beyond the largest token bucket runs eagerly. With a device draft step, a steady-state DSpark
-    step runs verify, acceptance and drafting as one graph (`forward_spec`, `SpecStepGraph`).
+    (`PiecewiseGraphRunner`); a step beyond the largest token bucket runs eagerly. With a device draft
+    step, a steady-state DSpark step runs verify, acceptance and drafting as one graph (`forward_spec`,
+    `SpecStepGraph`), also with arriving prompt chunks in its forward (`MixedSpecGraph`).
     """
 
     def __init__(self, model: torch.nn.Module, kv: KVCacheManager, backend: AttentionBackend,
@@ -84,6 +87,7 @@ class ModelEngine:
         self.paths = StepPaths()
         self.num_continued_steps = 0     # steps launched from the device rows of the step in flight
         self.spec_step: Optional["SpecStepGraph"] = None   # set by the creator with a device draft step
+        self.mixed_step: Optional["MixedSpecGraph"] = None  # the same with arriving prompts (set with it)
 
     def capture_graphs(self, continued: bool) -> int:
         """Capture every CUDA graph a step may replay (whole-step entries, packed or piecewise token buckets, the
@@ -102,35 +106,48 @@ class ModelEngine:
                 n += self.spec_step.capture_all(continued)
             except RuntimeError as e:
                 self._spec_step_refused(e, "capture ")
+        if self.mixed_step is not None:
+            try:
+                n += self.mixed_step.capture_all()
+            except RuntimeError as e:
+                self._spec_step_refused(e, "capture ", prompts=True)
         return n
 
-    def _spec_step_refused(self, e: RuntimeError, what: str) -> None:
-        """The runtime refused the one-graph step (`what`: "" a step, "capture " the startup capture):
-        it is off from now on, logged; a device fault is raised."""
+    def _spec_step_refused(self, e: RuntimeError, what: str, prompts: bool = False) -> None:
+        """The runtime refused the one-graph step (`what`: "" a step, "capture " the startup capture;
+        prompts: its form with arriving prompts): it is off from now on (the form with prompts goes
+        with it), logged; a device fault is raised."""
         if is_device_fault(e):
             raise e
-        logger.error("one-graph DSpark step %sfailed (%s: %s); verify and draft run apart from now on",
-                     what, type(e).__name__, e)
-        self.spec_step = None
+        logger.error("one-graph DSpark step%s %sfailed (%s: %s); %s from now on", " with prompts" if prompts else "",
+                     what, type(e).__name__, e,
+                     "prompts run beside it" if prompts else "verify and draft run apart")
+        self.mixed_step = None
+        if not prompts:
+            self.spec_step = None
 
     @torch.inference_mode()
-    def forward_spec(self, reqs: Sequence[LlmRequest], segments: Sequence[ForwardSegment]
+    def forward_spec(self, reqs: Sequence[LlmRequest], segments: Sequence[ForwardSegment], num_ctx: int = 0
                      ) -> Optional["SpecLaunch"]:
-        """The step as one verify -> accept -> draft graph (`SpecStepGraph`), or None when it is not
-        one it takes (the caller runs `forward` and the drafter). A graph the runtime refuses turns
+        """The step as one verify -> accept -> draft graph (`SpecStepGraph`; with num_ctx leading prompt
+        chunks, `MixedSpecGraph`), or None when it is not one it takes (the caller runs `forward` and
+        the drafter, or the prompts beside the rest). A graph the runtime refuses turns that form of
         the one-graph step off (logged); the step then runs the other way."""
-        if self.spec_step is None:
+        runner = self.mixed_step if num_ctx else self.spec_step
+        if runner is None or self.spec_step is None:     # the form with prompts goes with the one-graph step
             return None
-        shifted = any(s.start_shift is not None for s in segments)
+        shifted = any(s.start_shift is not None for s in segments[num_ctx:])
         if shifted:
-            check_continued(segments, self.backend)
+            check_continued(segments[num_ctx:], self.backend)
         try:
-            launch = self.spec_step.run(reqs, segments)
+            launch = runner.run(reqs, segments, num_ctx) if num_ctx else runner.run(reqs, segments)
         except RuntimeError as e:
-            self._spec_step_refused(e, "")
+            self._spec_step_refused(e, "", prompts=bool(num_ctx))
             return None
         self.num_continued_steps += int(launch is not None and shifted)
-        self.paths.one_graph += int(launch is not None)
+        if launch is not None:
+            self.paths.one_graph += 1
+            self.paths.one_graph_with_prompts += int(num_ctx > 0)
         return launch
 
     @torch.inference_mode()

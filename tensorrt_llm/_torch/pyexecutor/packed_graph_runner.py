@@ -184,7 +184,7 @@ class PackedGraphRunner:
         words = 5 * t + r + 1 + -(-n32 // 2)
         io = torch.zeros(words, dtype=torch.long, device=dev)
         host = torch.zeros(words, dtype=torch.long, pin_memory=dev.type == "cuda")
-        dv, hv = self._views(io, t, r, width), self._views(host, t, r, width)
+        dv, hv = packed_io_views(io, t, r, width), packed_io_views(host, t, r, width)
         md = AttentionMetadata(seq_lens=[0] * r, num_cached=[0] * r, block_tables=dv[8], slot_mapping=dv[2],
                                tokens_per_block=self.kv.tokens_per_block, causal=True, kv_lens_device=dv[6],
                                kv_len_bound=width * self.kv.tokens_per_block, qo_indptr_device=dv[7],
@@ -195,19 +195,10 @@ class PackedGraphRunner:
         return _PackedEntry(tokens=t, requests=r, io=io, host=host, md=md, shifts=dv[5],
                             host_views=tuple(v.numpy() for v in hv))
 
-    @staticmethod
-    def _views(buf: torch.Tensor, t: int, r: int, width: int) -> tuple[torch.Tensor, ...]:
-        """(input_ids [T], positions [T], slot_mapping [T], draft_slots [T], shift_index [T],
-        shifts [R + 1] int64; kv_lens [R], qo_indptr [R + 1], block_tables [R, W] int32) views of an
-        io buffer."""
-        i32 = buf[5 * t + r + 1:].view(torch.int32)
-        return (buf[:t], buf[t:2 * t], buf[2 * t:3 * t], buf[3 * t:4 * t], buf[4 * t:5 * t], buf[5 * t:5 * t + r + 1],
-                i32[:r], i32[r:2 * r + 1], i32[2 * r + 1:2 * r + 1 + r * width].view(r, width))
-
     def _forward(self, e: _PackedEntry) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         t = e.tokens
-        _, pos, slot, _, shift_index, shifts, kv_lens, _, table = self._views(e.io, t, e.requests,
-                                                                              self.kv.max_blocks_per_seq)
+        _, pos, slot, _, shift_index, shifts, kv_lens, _, table = packed_io_views(e.io, t, e.requests,
+                                                                                  self.kv.max_blocks_per_seq)
         if self.max_shift:
             shift_tokens(pos, slot, kv_lens, shift_index, shifts, table, self.kv.tokens_per_block)
         ids = e.io[:t]
@@ -216,6 +207,15 @@ class PackedGraphRunner:
         if self.context is not None and cap is not None:
             self.context.write_forward_context(cap, pos, e.io[3 * t:4 * t])
         return hidden, cap
+
+
+def packed_io_views(buf: torch.Tensor, t: int, r: int, width: int) -> tuple[torch.Tensor, ...]:
+    """(input_ids [T], positions [T], slot_mapping [T], draft_slots [T], shift_index [T], shifts [R + 1]
+    int64; kv_lens [R], qo_indptr [R + 1], block_tables [R, W] int32) views of an io buffer (layout: the
+    module doc; words after these are the caller's)."""
+    i32 = buf[5 * t + r + 1:].view(torch.int32)
+    return (buf[:t], buf[t:2 * t], buf[2 * t:3 * t], buf[3 * t:4 * t], buf[4 * t:5 * t], buf[5 * t:5 * t + r + 1],
+            i32[:r], i32[r:2 * r + 1], i32[2 * r + 1:2 * r + 1 + r * width].view(r, width))
 
 
 def shifted_token_rows(shifted: np.ndarray, lens: Sequence[int], none: int) -> np.ndarray:

@@ -236,9 +236,17 @@ class PyExecutor:
             self.prompt_steps += int(num_ctx > 0)
             try:   # a steady-state DSpark step runs as one graph; any other step the target forward
                 launch = beside = None
-                if self.spec_overlap and 0 < num_ctx < len(reqs):   # prompt chunks beside the one-graph step
-                    beside = self.engine.forward_spec(reqs[num_ctx:], segments[num_ctx:])
-                if beside is None and self.drafter is not None and not num_ctx:
+                if self.spec_overlap and 0 < num_ctx < len(reqs):   # prompt chunks in the one-graph step, or beside
+                    try:
+                        launch = self.engine.forward_spec(reqs, segments, num_ctx)
+                    except Exception as e:   # beside instead: a prompt's own error then fails that prompt alone
+                        if is_device_fault(e):
+                            raise
+                        logger.error("one-graph step with prompts failed (%s: %s); prompts beside it",
+                                     type(e).__name__, e)
+                    if launch is None:
+                        beside = self.engine.forward_spec(reqs[num_ctx:], segments[num_ctx:])
+                elif self.drafter is not None and not num_ctx:
                     launch = self.engine.forward_spec(reqs, segments)
                 try:
                     out = launch.out if launch is not None else \
@@ -373,9 +381,12 @@ class PyExecutor:
         the verify rows; then launch the next drafts from the device-side verify rows (so the GPU
         drafts while the host reads). A one-graph step (`launch`) did both already. Nothing here
         waits for the GPU."""
-        if launch is not None:
-            live = list(range(len(reqs)))
-            return SpecStep(reqs, segments, 0, out, launch.ahead.tokens, 0, live, launch.verify_width, launch.ahead)
+        if launch is not None:   # its prompts (leading) advance as drafted-ahead arrivals (`launch_arrivals`)
+            for req, seg in zip(reqs[:num_ctx], segments[:num_ctx]):
+                req.state, req.num_computed = RequestState.GENERATION, seg.start + len(seg.token_ids) - 1
+            live = list(range(num_ctx, len(reqs)))
+            return SpecStep(reqs, segments, num_ctx, out, launch.ahead.tokens, num_ctx, live, launch.verify_width,
+                            launch.ahead, arrivals_ahead=num_ctx > 0, row_per_request=True)
         drafter = self.drafter
         # with a drafter only prompt ends choose here (the verify rows go through the drafter)
         chooses = len(reqs) if drafter is None else num_ctx

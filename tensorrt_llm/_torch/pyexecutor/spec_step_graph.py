@@ -100,17 +100,17 @@ class SpecStepGraph:
         self.target, self.draft = target, draft
         self.graphs: GraphCache[_SpecEntry] = GraphCache(target.device, target.graphs.capture)
         self.num_launches = 0
-        self._no_logits = torch.zeros(0, 1, device=target.device)   # every launch's (empty) logits
+        self.no_logits = torch.zeros(0, 1, device=target.device)   # every launch's (empty) logits
         # the verify argmax over the lm_head's own logits (bf16: no float32 copy of [bucket * q, V]);
         # on CUDA split over vocabulary tiles (torch reduces a row on one block: 13 us at batch 1)
-        self._argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax
+        self.argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax
         if target.device.type == "cuda":
             from ..models.dspark_markov_kernel import argmax_rows
-            self._argmax = argmax_rows
+            self.argmax = argmax_rows
         # with compiled regions (torch_compile_config: the drafter's say so) the acceptance after the
         # argmax is one fused kernel instead of ~8 small ones
         regions = draft.drafter.regions
-        self._accept = compiled_accept_rows() if regions is not None and regions.compiled else accept_rows
+        self.accept = compiled_accept_rows() if regions is not None and regions.compiled else accept_rows
 
     def eligible(self, reqs: Sequence[LlmRequest], segments: Sequence[ForwardSegment]) -> bool:
         """Host-known per-request conditions (the target's plan adds the shape, bucket and page checks)."""
@@ -138,7 +138,7 @@ class SpecStepGraph:
         n = b * q
         offsets = list(range(0, n, q))
         # no logits (the verify ran in the graph) and no captured rows (the graph drafted every request)
-        out = ForwardOutput(self._no_logits, offsets, None, offsets)
+        out = ForwardOutput(self.no_logits, offsets, None, offsets)
         ahead = DraftsAhead({s.request_id: j for j, s in enumerate(segments)}, PendingTokens(rows[:b].clone()), q)
         return SpecLaunch(out, q, ahead)
 
@@ -167,7 +167,7 @@ class SpecStepGraph:
         start = t.positions.view(t.bucket, t.q)[:, 0]      # host starts: 0 only on padding rows (a
         live = start > 0                                   # generating request has its prompt before)
         verified = greedy_verify(t.input_ids.view(t.bucket, t.q), logits.view(t.bucket, t.q, -1), live,
-                                 self._argmax, self._accept)
+                                 self.argmax, self.accept)
         if t.shift is not None:
             start = start + t.shift
         return torch.cat([verified, self.draft.draft_rows(captured, verified, start, entry.block_md)], 1)

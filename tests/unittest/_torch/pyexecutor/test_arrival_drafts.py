@@ -58,19 +58,24 @@ def test_arrivals_are_read_one_step_late(make_llm, tiny_llama_dir, tiny_drafters
     assert bad != ref
 
 
-@pytest.mark.parametrize("kind,one_graph", [("gqa", True), ("mla", True), ("gqa", False), ("mla", False)])
+@pytest.mark.parametrize("kind,mode", [("gqa", "inside"), ("mla", "inside"), ("gqa", "beside"), ("mla", "beside"),
+                                       ("gqa", "apart"), ("mla", "apart")])
 def test_prompts_join_the_continued_segments_in_one_step(make_llm, tiny_llama_dir, tiny_drafters, monkeypatch,
-                                                         kind, one_graph):
+                                                         kind, mode):
     """A prompt arriving while a DSpark step is in flight runs in the same step as the running requests'
-    continued verify segments, launched before the step in flight is read: its chunks in their own
-    graph beside the continued one-graph step (`SpecSteps`), or, without the one-graph step, in one
-    mixed forward with them. Such a step whose prompts all end drafts them ahead too, so it is read one
-    step late: seen many times over many short requests; output equals no-spec greedy. Negative control
-    (mixed forward): the continued segments one position late on the device (their shift + 1 in
-    `shift_tokens`) change the output."""
+    continued verify segments, launched before the step in flight is read: inside the continued
+    one-graph step's forward (`MixedSpecGraph`, "inside"), in their own graph beside it (`SpecSteps`,
+    "beside": the mixed graph declines), or, without the one-graph step ("apart"), in one mixed forward
+    with them. Such a step whose prompts all end drafts them ahead too, so it is read one step late:
+    seen many times over many short requests; output equals no-spec greedy. Negative controls: the
+    continued segments one position late on the device (their shift + 1 in `shift_tokens`) change the
+    output, in the mixed forward and in the mixed one-graph step."""
+    from tensorrt_llm._torch.pyexecutor import mixed_step_graph, model_engine
     from tensorrt_llm._torch.pyexecutor.model_engine import ModelEngine
-    if not one_graph:
-        monkeypatch.setattr(ModelEngine, "forward_spec", lambda self, reqs, segments: None)
+    if mode == "apart":
+        monkeypatch.setattr(ModelEngine, "forward_spec", lambda self, reqs, segments, num_ctx=0: None)
+    if mode == "beside":
+        monkeypatch.setattr(mixed_step_graph.MixedSpecGraph, "run", lambda self, reqs, segments, num_ctx: None)
     mixed = []
     real = PyExecutor._continue_or_complete
 
@@ -82,18 +87,17 @@ def test_prompts_join_the_continued_segments_in_one_step(make_llm, tiny_llama_di
     prompts, params, want, (got, stats, ex) = _staggered_runs(make_llm, tiny_llama_dir, tiny_drafters[kind])
     assert got == want
     assert sum(mixed) >= 5 and ex.prompts_beside_flight == sum(mixed)
-    # beside the one-graph step where it took the generating segments (continued, or read on the host)
-    if one_graph:
-        assert ex.prompts_beside_one_graph >= 0.8 * sum(mixed)
-    else:
-        assert ex.prompts_beside_one_graph == 0
+    # in or beside the one-graph step where it took the generating segments (continued, or read on the host)
+    inside, beside = stats["steps"]["one_graph_with_prompts"], ex.prompts_beside_one_graph
+    assert inside >= 0.8 * sum(mixed) if mode == "inside" else inside == 0
+    assert beside >= 0.8 * sum(mixed) if mode == "beside" else beside == 0
     # most mixed steps drafted their arrivals ahead and were read late
     assert stats["steps"]["prompts_read_late"] >= sum(mixed) // 2
-    if one_graph:
+    if mode == "beside":
         return
 
-    from tensorrt_llm._torch.pyexecutor import model_engine
-    real_shift = model_engine.shift_tokens
+    module = mixed_step_graph if mode == "inside" else model_engine
+    real_shift = module.shift_tokens
 
     def late(positions, slots, kv_lens, shift_index, shifts, block_tables, page_size):
         if shift_index.numel() and bool((shift_index < shifts.shape[0] - 1).any()) and ex_ref.mixed:
@@ -107,7 +111,7 @@ def test_prompts_join_the_continued_segments_in_one_step(make_llm, tiny_llama_di
         real(self, batch)
         ex_ref.mixed = bool(batch.context_requests) and self._spec_inflight is not None
     monkeypatch.setattr(PyExecutor, "_continue_or_complete", flag)
-    monkeypatch.setattr(model_engine, "shift_tokens", late)
+    monkeypatch.setattr(module, "shift_tokens", late)
     bad, _, _ = generate_run(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters[kind], max_batch_size=4)
     assert bad != want
 
@@ -128,7 +132,8 @@ def test_arrivals_continue_in_the_one_graph_step(make_llm, tiny_llama_dir, tiny_
     steps = stats["steps"]
     assert got == want
     assert steps["prompts_read_late"] > 0
-    assert steps["one_graph"] == steps["total"] - steps["with_prompt_chunks"] + steps["prompts_beside_one_graph"]
+    assert steps["one_graph"] == (steps["total"] - steps["with_prompt_chunks"] + steps["prompts_beside_one_graph"]
+                                  + steps["one_graph_with_prompts"])
 
 
 def test_an_arrival_left_out_of_the_launch_writes_its_context_once(make_llm, tiny_llama_dir, tiny_drafters,
@@ -238,8 +243,11 @@ def test_arrivals_beside_the_one_graph_step_carry_placeholder_drafts(make_llm, t
     prompt-only step still launches its arrivals' drafts. Output equals no-spec greedy, with the
     placeholders used many times. Negative control: rows whose anchor is not the chosen id change the
     output (the next step really continues from these rows). A drafter that declines gets the
-    arrivals' draft launch instead (still lossless)."""
+    arrivals' draft launch instead (still lossless). (The prompts run beside the one-graph step here: the
+    mixed one-graph step, which would take them inside, declines.)"""
+    from tensorrt_llm._torch.pyexecutor.mixed_step_graph import MixedSpecGraph
     from tensorrt_llm._torch.speculative.dspark_worker import DSparkWorker
+    monkeypatch.setattr(MixedSpecGraph, "run", lambda self, reqs, segments, num_ctx: None)
     calls = {"anchor": 0, "launch": 0}
     real_anchor, real_launch = DSparkWorker.anchor_arrivals, DSparkWorker.draft_arrivals
 

@@ -149,22 +149,36 @@ def test_request_the_pool_can_never_hold_is_refused_at_submission(tiny_llama_dir
 
 
 # ---- a forward error in a step whose prompts run beside the step in flight -------------------
-@pytest.mark.parametrize("kind,one_graph", [("gqa", True), ("mla", True), ("gqa", False)])
+@pytest.mark.parametrize("kind,mode", [("gqa", "inside"), ("mla", "inside"), ("gqa", "beside"), ("mla", "beside"),
+                                       ("gqa", "apart")])
 def test_forward_error_beside_a_step_in_flight_fails_that_prompt_only(tiny_llama_dir, drafters, bounded, kind,
-                                                                      one_graph):
+                                                                      mode):
     """A prompt whose forward raises (not a device fault) while a DSpark step is in flight, its chunk
     beside the running requests' continued segments (in its own graph beside their one-graph step, or
     in one mixed forward with them): that prompt alone finishes with the error, the running requests go
     on, every other output equals no-spec greedy, the pages return and the engine keeps serving.
-    Checked the other way: the failing forward ran with a step in flight. (Before the prompts were
-    failed alone, the running requests of that step failed with it: 4 errors instead of 1.)"""
+    "inside": the one-graph step that takes the prompts in its forward raises too (the step then runs
+    the prompts beside it, where their own error fails them alone). Checked the other way: the failing
+    forward ran with a step in flight. (Before the prompts were failed alone, the running requests of
+    that step failed with it: 4 errors instead of 1.)"""
     rng = random.Random(21)
     llm = _llm(tiny_llama_dir, drafters[kind], max_seq_len=256, max_batch_size=4)
     ref = _llm(tiny_llama_dir, max_seq_len=256)
     ex = llm._executor
     real, poisoned, seen = ex.engine.forward, 499, []
-    if not one_graph:
+    mixed = ex.engine.mixed_step
+    if mode == "apart":
         ex.engine.spec_step = None     # every step through `forward`: the prompt in one mixed forward
+    if mode == "beside":
+        ex.engine.mixed_step = None
+    if mode == "inside":
+        real_mixed = mixed.run
+
+        def mixed_run(reqs, segments, num_ctx):
+            if any(s.start == 0 and list(s.token_ids)[0] == poisoned for s in segments[:num_ctx]):
+                raise ValueError("boom: a poisoned prompt in the one-graph step")
+            return real_mixed(reqs, segments, num_ctx)
+        mixed.run = mixed_run
 
     def forward(segments, prompt_segments=0):
         if any(len(s.token_ids) and s.start == 0 and list(s.token_ids)[0] == poisoned for s in segments):

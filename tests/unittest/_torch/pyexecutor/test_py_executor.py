@@ -124,7 +124,8 @@ def test_device_fault_fails_queued_and_submitted_requests_and_later_calls_raise(
 def test_step_stats_count_every_step_once(tiny_llama_dir, tiny_drafters, make_llm, prompts, spec):
     """get_stats()["steps"]: each step ran one path (the one-graph DSpark step, the target's whole-step
     graph, piecewise graphs or eager), a step whose prompt chunks ran beside its one-graph step two,
-    and the paths add up to the steps plus those; on the CPU (no CUDA graphs)
+    one whose prompts rode in it one (`one_graph_with_prompts`, also counted in `one_graph`), and the
+    paths add up to the steps plus those beside; on the CPU (no CUDA graphs)
     a DSpark engine runs its steady steps as the one-graph step's reference path, a no-spec engine
     every step eagerly. With more prompts than the batch, prompts arrive while a DSpark step is in
     flight, which is then read before the next launch. trtllm-bench rows carry the same counts."""
@@ -133,7 +134,8 @@ def test_step_stats_count_every_step_once(tiny_llama_dir, tiny_drafters, make_ll
     llm = make_llm(tiny_llama_dir, max_batch_size=3, **kw)
     before = llm.get_stats()["steps"]
     assert before == {"total": 0, "with_prompt_chunks": 0, "read_in_flight_first": 0, "prompts_beside_in_flight": 0,
-                      "prompts_beside_one_graph": 0, "prompts_read_late": 0, "one_graph": 0, "target_graph": 0,
+                      "prompts_beside_one_graph": 0, "prompts_read_late": 0, "one_graph": 0,
+                      "one_graph_with_prompts": 0, "target_graph": 0,
                       "packed_graph": 0, "piecewise": 0, "eager": 0,
                       "seconds": 0.0, "seconds_with_prompt_chunks": 0.0}
     row = run_concurrency(llm, prompts, 3, PARAMS)
@@ -147,11 +149,13 @@ def test_step_stats_count_every_step_once(tiny_llama_dir, tiny_drafters, make_ll
     assert -(-len(prompts) // 3) <= st["with_prompt_chunks"] < st["total"]   # arrivals prefill 3 at most at once
     if spec:
         assert st["one_graph"] > st["total"] // 2 and st["read_in_flight_first"] > 0
-        assert st["prompts_beside_one_graph"] <= st["prompts_beside_in_flight"] <= st["with_prompt_chunks"]
+        assert (st["prompts_beside_one_graph"] + st["one_graph_with_prompts"] <= st["prompts_beside_in_flight"]
+                <= st["with_prompt_chunks"])
+        assert st["one_graph_with_prompts"] <= st["one_graph"]
         assert 0 < st["prompts_read_late"] <= st["with_prompt_chunks"]
     else:
         assert st["one_graph"] == st["read_in_flight_first"] == st["prompts_beside_in_flight"] == 0
-        assert st["prompts_beside_one_graph"] == 0
+        assert st["prompts_beside_one_graph"] == st["one_graph_with_prompts"] == 0
         assert st["prompts_read_late"] == 0
         assert st["eager"] == st["total"]
 

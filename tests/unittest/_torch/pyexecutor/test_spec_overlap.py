@@ -42,6 +42,8 @@ def test_continued_verify_steps_equal_the_plain_loop(make_llm, tiny_llama_dir, t
     # rows (`anchor_arrivals`, whose first verify sees other drafts: test_arrival_drafts.py)
     from tensorrt_llm._torch.speculative.dspark_worker import DSparkWorker
     monkeypatch.setattr(DSparkWorker, "anchor_arrivals", lambda self, commits, anchors, captured: None)
+    from tensorrt_llm._torch.pyexecutor.mixed_step_graph import MixedSpecGraph    # nor inside it (placeholders)
+    monkeypatch.setattr(MixedSpecGraph, "run", lambda self, reqs, segments, num_ctx: None)
     plain, s_plain, ex_plain = generate_run(make_llm, tiny_llama_dir, prompts, params, False, tiny_drafters[kind],
                                          **options)
     over, s_over, ex_over = generate_run(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters[kind],

@@ -211,8 +211,8 @@ def test_auto_drafter_takes_the_graph_backend_and_arrivals_stay_lossless(llama64
     """Drafter on AUTO with CUDA graphs: every draft step runs the device draft step's TRITON backend
     (a step with an arriving prompt drafts eagerly, with no host plan); staggered arrivals on a
     TRITON target give the no-spec graph engine's output token for token, prompt-only steps among
-    them read one step late (`draft_arrivals`), arrivals beside a one-graph step among them
-    (`anchor_arrivals`). Control: an explicit
+    them read one step late (`draft_arrivals`), arrivals inside a one-graph step among them
+    (`MixedSpecGraph`), and, with that form off, beside it (`anchor_arrivals`). Control: an explicit
     FLASHINFER choice is kept."""
     from tensorrt_llm._torch.attention_backend.triton_backend import TritonAttention
     drafter = _drafter(tmp_path_factory, llama64_dir, kind)
@@ -230,9 +230,13 @@ def test_auto_drafter_takes_the_graph_backend_and_arrivals_stay_lossless(llama64
         assert isinstance(worker.backend, TritonAttention) and worker.backend is not worker.graph_runner.backend
         toks = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         steps = llm.get_stats()["steps"]
-    assert toks == baseline
+        llm._executor.engine.mixed_step = None
+        beside = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        steps_beside = llm.get_stats()["steps"]
+    assert toks == baseline and beside == baseline
     assert steps["prompts_read_late"] > 0      # prompt-only steps drafted their arrivals from the device ids
-    assert steps["prompts_beside_one_graph"] > 0   # arrivals beside a one-graph step (placeholder drafts)
+    assert steps["one_graph_with_prompts"] > 0     # arrivals inside a one-graph step (placeholder drafts)
+    assert steps_beside["prompts_beside_one_graph"] > 0   # arrivals beside it
     pytest.importorskip("flashinfer")
     with LLM(str(llama64_dir), speculative_config={**spec, "attention_backend": "FLASHINFER"}, **common) as llm:
         assert llm.capacity_report["attention_backend"]["draft"]["name"] == "FLASHINFER"
@@ -309,6 +313,43 @@ def test_overlapped_dspark_steps_are_lossless_and_never_block(llama64_dir, tmp_p
         got = [h.result(timeout=0).outputs[0].token_ids for h in handles]
     assert got == plain == baseline
 
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_arrivals_inside_the_one_graph_step_never_block(llama64_dir, tmp_path_factory, no_device_syncs, kind):
+    """Prompts arriving beside running requests ride in their continued one-graph step's forward
+    (`MixedSpecGraph`, captured at startup): such steps replay one graph each, launched before the
+    step in flight is read, with no blocking torch op; output == the no-spec engine's, token for token."""
+    drafter = _drafter(tmp_path_factory, llama64_dir, kind)
+    spec = {"decoding_type": "DSpark", "speculative_model": str(drafter)}
+    common = dict(device="cuda", attn_backend="TRITON", max_batch_size=8, use_cuda_graph=True,
+                  kv_cache_config={"max_tokens": 8192, "tokens_per_block": 16})
+    params = SamplingParams(max_tokens=120, ignore_eos=True)
+    first = [[5 + i, 6, 7, 8, 9 + i] for i in range(4)]
+    later = [[40 + i] * (3 + 7 * i) + [11, 12] for i in range(4)]
+    with LLM(str(llama64_dir), **common) as llm:
+        baseline = [o.outputs[0].token_ids for o in llm.generate(first + later, params)]
+    with LLM(str(llama64_dir), speculative_config=spec, **common) as llm:
+        ex, engine = llm._executor, llm._executor.engine
+        assert ex.spec_overlap and engine.mixed_step is not None and engine.mixed_step.graphs.num_captures > 0
+        ex.shutdown()                                   # drive by hand
+        handles = [llm.generate_async(p, params) for p in first]
+        ex._drain_incoming()
+        for _ in range(6):
+            ex.step()
+        mixed = engine.mixed_step
+        launches, replays, captures = mixed.num_launches, mixed.graphs.num_replays, mixed.graphs.num_captures
+        for p in later:                                 # one arrival per step, beside the running requests
+            handles.append(llm.generate_async(p, params))
+            ex._drain_incoming()
+            with no_device_syncs():
+                ex.step()
+        assert mixed.num_launches - launches == len(later) == mixed.graphs.num_replays - replays
+        assert mixed.graphs.num_captures == captures    # every shape was captured at startup
+        ex.run_until_idle()
+        got = [h.result(timeout=0).outputs[0].token_ids for h in handles]
+    assert got == baseline
 
 
 def _first_two_sampled(target, n: int, seed0: int, **kw) -> tuple[list[tuple[int, ...]], dict]:

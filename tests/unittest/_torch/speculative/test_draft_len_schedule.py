@@ -73,10 +73,10 @@ def test_steps_verify_the_scheduled_width_losslessly(make_llm, tiny_llama_dir, t
             observe(segments)
             return real(segments, prompt_segments)
 
-        def forward_spec(reqs, segments):     # the one-graph step (else `forward` runs the step)
-            launch = real_spec(reqs, segments)
+        def forward_spec(reqs, segments, num_ctx=0):   # the one-graph step (else `forward` runs the step)
+            launch = real_spec(reqs, segments, num_ctx)
             if launch is not None:
-                observe(segments)
+                observe(segments[num_ctx:])
             return launch
         eng.forward, eng.forward_spec = forward, forward_spec
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
