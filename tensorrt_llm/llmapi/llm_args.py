@@ -77,6 +77,12 @@ class DSparkDecodingConfig(StrictBaseModel):
         "absorbed attention's latent output to the hidden size in one [hidden, heads x kv_lora_rank] GEMM "
         "instead of the per-head W_UV product and o_proj (folded in float32, stored in the drafter's dtype). "
         "Needs an MLA drafter without quant_config, else the load raises.")
+    mla_fold_query: bool = Field(
+        default=False, description="MLA drafters: fold W_UK into the q projection (q_proj, or q_b_proj with "
+        "q_lora) at load, so each layer gets its absorbed attention's per-head [q_nope W_UK | q_pe] from one "
+        "[heads x (kv_lora_rank + rope), q input] GEMM instead of the q GEMM and the per-head W_UK product "
+        "(folded in float32, stored in the drafter's dtype). Needs an MLA drafter without quant_config, else "
+        "the load raises.")
     mask_token_id: Optional[int] = Field(
         default=None, ge=0, description="Override of dspark_config.mask_token_id.")
     target_layer_ids: Optional[list[int]] = Field(

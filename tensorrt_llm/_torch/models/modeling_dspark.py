@@ -110,12 +110,12 @@ class DSparkDecoderLayer(nn.Module):
         if isinstance(a, MLAAttention):
             if not a.absorb:
                 return a.attend(n(h), positions, kv_cache, md, backend)
-            w = (h, n.weight, n.eps, *a.q_weights(), a.kv_a_proj_with_mqa.weight)
+            w = (h, n.weight, n.eps, *a.q_weights(), a.kv_a_proj_with_mqa.weight)   # W_UK None once folded
             if rope is not None:
-                q_lat, q_pe, kv = r.mla_attention_parts(*w, a.w_uk_uv()[0])
+                q_lat, q_pe, kv = r.mla_attention_parts(*w, a.kv_lora_rank)
                 return a.attend_absorbed_rope(q_lat, q_pe, kv, rope, kv_cache, md, backend)
-            q, latent = r.mla_attention_inputs(*w, a.kv_a_layernorm.weight, a.w_uk_uv()[0], positions, *tables,
-                                               a.rotary.interleaved, a.kv_lora_rank)
+            q, latent = r.mla_attention_inputs(*w, a.kv_a_layernorm.weight, positions, *tables, a.rotary.interleaved,
+                                               a.kv_lora_rank)
             return a.attend_absorbed(q, latent, kv_cache, md, backend)
         if rope is not None:
             q, k, v = r.qkv(h, n.weight, n.eps, *a._qkv, None, None, a.num_heads, a.num_kv_heads, a.head_dim)
@@ -204,14 +204,21 @@ class DSparkForCausalLMBase(nn.Module, ABC):
         """`MLAAttention.fold_output` on every layer (`DSparkDecodingConfig.mla_fold_output`), after
         `post_load_weights`, before any graph is captured. ValueError for a GQA drafter, or one with
         quant_config (its layers keep their FP8 block-scaled modules)."""
+        for a in self._mla_to_fold("mla_fold_output", "W_UV into o_proj", "o_proj"):
+            a.fold_output()
+
+    def fold_mla_query(self) -> None:
+        """`MLAAttention.fold_query` on every layer (`DSparkDecodingConfig.mla_fold_query`), as `fold_mla_output`."""
+        for a in self._mla_to_fold("mla_fold_query", "W_UK into the q projection", "q projection"):
+            a.fold_query()
+
+    def _mla_to_fold(self, option: str, what: str, proj: str) -> list[MLAAttention]:
+        """Every layer's attention, or ValueError naming `option`: a GQA drafter, or one with quant_config."""
         if not self.config.is_mla:
-            raise ValueError(f"mla_fold_output folds an MLA drafter's W_UV into o_proj; this drafter is "
-                             f"{self.config.architecture}")
+            raise ValueError(f"{option} folds an MLA drafter's {what}; this drafter is {self.config.architecture}")
         if self.config.quant_config is not None:
-            raise ValueError("mla_fold_output needs a drafter without quant_config (its o_proj is FP8 "
-                             "block-scaled)")
-        for layer in self.layers:
-            layer.self_attn.fold_output()
+            raise ValueError(f"{option} needs a drafter without quant_config (its {proj} is FP8 block-scaled)")
+        return [layer.self_attn for layer in self.layers]
 
     def fuse_projections(self) -> None:
         """Inference-time GEMM fusion (GQA q|k|v, gate|up; the parameters become views, the state

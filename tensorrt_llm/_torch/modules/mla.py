@@ -8,7 +8,8 @@ and `kv_b_proj` (kv_lora_rank -> H * (qk_nope + v_head_dim)) decompresses it per
 W_UK (keys, no-RoPE part) and W_UV (values). Two equivalent paths:
 
 * absorbed (fast): q_nope @ W_UK -> q in latent space, MQA over the latents through
-  `backend.forward_mla` (value = latent[:, :kv_lora_rank]), then W_UV and o_proj.
+  `backend.forward_mla` (value = latent[:, :kv_lora_rank]), then W_UV and o_proj. For inference
+  W_UK can be folded into the q projection (`fold_query`) and W_UV into o_proj (`fold_output`).
 * un-absorbed (reference): decompress K/V per head from the gathered latents and run
   standard masked attention per request. Used by tests against the absorbed path.
 """
@@ -79,6 +80,8 @@ class MLAAttention(nn.Module):
         self.register_buffer("w_uv", None, persistent=False)
         # o_proj through W_UV, [hidden, H * kv_lora_rank], set by fold_output (absorbed path only)
         self.register_buffer("w_o_abs", None, persistent=False)
+        # the q projection through W_UK, [H * (kv_lora_rank + rope), q input], set by fold_query (absorbed only)
+        self.register_buffer("w_q_abs", None, persistent=False)
 
     # ---- projections -------------------------------------------------------------------
     def project_latent(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -87,21 +90,42 @@ class MLAAttention(nn.Module):
         k_pe = self.rotary(k_pe[:, None, :], positions)[:, 0]      # one rope key shared by heads
         return torch.cat((self.kv_a_layernorm(ckv), k_pe), dim=-1)
 
+    def _q_input(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] -> the q projection's input: x itself for q_proj, q_a_layernorm(q_a_proj(x))
+        [T, q_lora_rank] for q_b_proj."""
+        return x if self.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(x))
+
+    def _q_out_proj(self) -> nn.Module:
+        """The module that maps `_q_input` to the heads' q: q_proj, or q_b_proj with q_lora."""
+        return self.q_proj if self.q_lora_rank is None else self.q_b_proj
+
     def project_q(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> (q_nope [T, H, nope], roped q_pe [T, H, rope])."""
-        if self.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(x.shape[0], self.num_heads, self.q_head_dim)
+        q = self._q_out_proj()(self._q_input(x)).view(x.shape[0], self.num_heads, self.q_head_dim)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         return q_nope, self.rotary(q_pe, positions)
 
-    def q_weights(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor]:
-        """(q_a_proj, q_a_layernorm, q_b_proj) weights with q_lora, else (None, None, q_proj)."""
-        if self.q_lora_rank is None:
-            return None, None, self.q_proj.weight
-        return self.q_a_proj.weight, self.q_a_layernorm.weight, self.q_b_proj.weight
+    def project_q_absorbed(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] -> the absorbed attention's q [T, H, kv_lora_rank + rope] = [q_nope W_UK |
+        roped q_pe]: the q projection then the per-head W_UK product, or one GEMM once folded (`fold_query`)."""
+        if self.w_q_abs is None:
+            q_nope, q_pe = self.project_q(x, positions)
+            q_lat = torch.einsum("thn,hnr->thr", q_nope, self.w_uk_uv()[0])    # [T, H, R]
+        else:
+            q = torch.nn.functional.linear(self._q_input(x), self.w_q_abs).view(x.shape[0], self.num_heads, -1)
+            q_lat, q_pe = q.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+            q_pe = self.rotary(q_pe, positions)
+        return torch.cat((q_lat, q_pe.to(q_lat.dtype)), dim=-1)
+
+    def q_weights(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor,
+                                 Optional[torch.Tensor]]:
+        """The absorbed q path's weights: (q_a_proj, q_a_layernorm, q_b_proj, W_UK [H, nope, R]) with q_lora,
+        else (None, None, q_proj, W_UK); once folded (`fold_query`) the third is the folded [H (R + rope),
+        q input] weight and W_UK is None (already in it)."""
+        q_a = (None, None) if self.q_lora_rank is None else (self.q_a_proj.weight, self.q_a_layernorm.weight)
+        if self.w_q_abs is not None:
+            return *q_a, self.w_q_abs, None
+        return *q_a, self._q_out_proj().weight, self.w_uk_uv()[0]
 
     def w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head: W_UK [H, nope, R], W_UV [H, v_head_dim, R] (the contiguous copies
@@ -132,6 +156,25 @@ class MLAAttention(nn.Module):
         wo = self.o_proj.weight.float().view(-1, self.num_heads, self.v_head_dim)   # [hidden, H, v]
         self.w_o_abs = torch.einsum("dhv,hvr->dhr", wo, w_uv).reshape(wo.shape[0], -1).to(self.o_proj.weight.dtype)
 
+    def fold_query(self) -> None:
+        """Fold W_UK into the q projection, once after `post_load_weights`, for inference: one [H x (R +
+        rope), q input] weight (`q_weights`; R = kv_lora_rank) takes the q projection's input (x, or the
+        normed q_a output with q_lora) to each head's [q_nope W_UK | q_pe] in one GEMM, instead of the q
+        GEMM and then the per-head W_UK product (with its layout copies). Per head the nope rows become
+        W_UK^T Wq_nope ([R, q input]), the rope rows stay. Computed in float32, stored in the q
+        projection's dtype. Absorbed attention with plain (not FP8 block-scaled) q weights only."""
+        if not self.absorb:
+            raise ValueError("fold_query folds W_UK into the q projection for the absorbed attention; this one is "
+                             "un-absorbed")
+        proj = self._q_out_proj()
+        if not isinstance(proj, nn.Linear):
+            raise ValueError(f"fold_query needs a plain nn.Linear q projection, got {type(proj).__name__}")
+        w_uk = self.w_uk_uv()[0].detach().float()                                         # [H, nope, R]
+        wq = proj.weight.detach().float().view(self.num_heads, self.q_head_dim, -1)       # [H, nope + rope, in]
+        w_lat = torch.einsum("hnr,hni->hri", w_uk, wq[:, :self.qk_nope_head_dim])        # [H, R, in]
+        w = torch.cat((w_lat, wq[:, self.qk_nope_head_dim:]), dim=1)                     # [H, R + rope, in]
+        self.w_q_abs = w.reshape(-1, wq.shape[-1]).to(proj.weight.dtype)
+
     def output_weight(self) -> torch.Tensor:
         """The weight that takes `attend`'s output to the hidden size: [hidden, H * kv_lora_rank] once
         folded (`fold_output`), else o_proj's [hidden, H * v_head_dim]."""
@@ -154,13 +197,11 @@ class MLAAttention(nn.Module):
         kv_cache: [num_pages, 1, 1, P, kv_lora_rank + rope]. The new tokens' latents
         (`latent` [T, Dl], or projected from x) are written at md.slot_mapping first.
         """
-        q_nope, q_pe = self.project_q(x, positions)
         if latent is None:
             latent = self.project_latent(x, positions)
         if self.absorb:
-            q_lat = torch.einsum("thn,hnr->thr", q_nope, self.w_uk_uv()[0])    # [T, H, R]
-            q = torch.cat((q_lat, q_pe.to(q_lat.dtype)), dim=-1)               # [T, H, R + rope]
-            return self.attend_absorbed(q, latent, kv_cache, md, backend)
+            return self.attend_absorbed(self.project_q_absorbed(x, positions), latent, kv_cache, md, backend)
+        q_nope, q_pe = self.project_q(x, positions)
         write_slots(kv_cache[:, 0], latent[:, None, :], md.slot_mapping)
         o = self._attend_unabsorbed(q_nope, q_pe, kv_cache, md)
         return o.reshape(x.shape[0], self.num_heads * self.v_head_dim)

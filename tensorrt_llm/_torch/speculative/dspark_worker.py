@@ -478,6 +478,8 @@ def create_dspark_worker(cfg: DSparkDecodingConfig, target: torch.nn.Module, dty
                            max_positions=target.rotary.max_positions)
     if cfg.mla_fold_output:
         drafter.fold_mla_output()
+    if cfg.mla_fold_query:
+        drafter.fold_mla_query()
     n_layers = target.config.num_hidden_layers
     bad = [i for i in drafter.config.target_layer_ids if not 0 <= i < n_layers]
     if bad:

@@ -75,3 +75,17 @@ def test_build_argv_defaults(tmp_path):
     assert argv[argv.index("--anchor-timeout-s") + 1] == "240"
     assert argv[argv.index("--deadline-s") + 1] == "540"
     assert argv[argv.index("--request-timeout-s") + 1] == "120.0"
+
+
+def test_docs_mla_folds_variant_is_a_valid_dspark_arm():
+    """docs/dspark.md's A/B arm of both MLA folds, word for word: the MLA preset with both folds set, a
+    config DSparkDecodingConfig accepts. Control: a misspelled fold is refused (strict config)."""
+    from tensorrt_llm.llmapi.llm_args import DSparkDecodingConfig
+    variant = "mla_foldq=mla:{speculative_config: {mla_fold_query: true, mla_fold_output: true}}"
+    assert f"'{variant}'" in (REPO / "docs" / "dspark.md").read_text()
+    arm = sidebyside.parse_arm(ex.arm_specs(["mla"], "/g", "/m", "TRITON", True, 1024, None, None, None,
+                                            [variant])[-1])
+    cfg = DSparkDecodingConfig(**arm.llm_args["speculative_config"])
+    assert arm.name == "mla_foldq" and cfg.mla_fold_query and cfg.mla_fold_output and cfg.speculative_model == "/m"
+    with pytest.raises(ValueError, match="mla_fold_querry"):
+        DSparkDecodingConfig(speculative_model="/m", mla_fold_querry=True)

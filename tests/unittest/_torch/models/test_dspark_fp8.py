@@ -1,6 +1,7 @@
 """A drafter whose config.json carries `quant_config` (FP8 e4m3, UE8M0 128 x 128 blocks) loads with
 FP8 block-scaled projections (`post_load_weights`), drafts close to its full-precision twin, and
-speculation with it stays lossless; MLA keeps W_UK / W_UV contiguous after loading.
+speculation with it stays lossless; MLA keeps W_UK / W_UV contiguous after loading, and refuses the W_UK /
+W_UV folds with FP8 projections.
 """
 from __future__ import annotations
 
@@ -63,6 +64,21 @@ def test_mla_post_load_keeps_w_uk_uv_contiguous(tmp_path_factory, tiny_llama_dir
         assert uk.is_contiguous() and uv.is_contiguous() and not ruk.is_contiguous()
         assert torch.equal(uk, ruk) and torch.equal(uv, ruv)
     assert set(d.state_dict()) == set(raw.state_dict())          # derived buffers are not saved
+
+
+def test_mla_folds_refuse_an_fp8_drafter(tmp_path_factory, tiny_llama_dir):
+    """`mla_fold_query` / `mla_fold_output` need the drafter's plain projections: an FP8 drafter is refused
+    by option name, and its layers are left unfolded; its full-precision twin folds (control)."""
+    fp8_dir, tc = _save(tmp_path_factory, tiny_llama_dir, "mla", quant=True)
+    plain_dir, _ = _save(tmp_path_factory, tiny_llama_dir, "mla", quant=False)
+    fp8 = load_drafter(fp8_dir, tc, torch.float32, torch.device("cpu"))
+    for fold, option in ((fp8.fold_mla_query, "mla_fold_query"), (fp8.fold_mla_output, "mla_fold_output")):
+        with pytest.raises(ValueError, match=f"{option} needs a drafter without quant_config"):
+            fold()
+    assert all(l.self_attn.w_q_abs is None and l.self_attn.w_o_abs is None for l in fp8.layers)
+    plain = load_drafter(plain_dir, tc, torch.float32, torch.device("cpu"))
+    plain.fold_mla_query()
+    assert all(l.self_attn.q_weights()[3] is None for l in plain.layers)
 
 
 def test_speculation_with_fp8_drafter_is_lossless(tmp_path_factory, tiny_llama_dir, make_llm):

@@ -12,8 +12,10 @@ with one weight x3 (negative control) lands beyond 1e-2 (measured: ~0.6).
 On TRITON (Triton's interpreter) a drafter's norms and RoPE run in the backend's fused append (GQA:
 `forward_rope` with the layer's `HeadNorms`; MLA: `forward_mla_rope`): the same drafts, hidden and
 pool writes within 1e-5; without the norms (control) beyond 1e-2.
-`LLM(torch_compile_config=...)` with a DSpark drafter reports the drafter's regions and its greedy
-output equals no-spec token for token; an FP8 drafter keeps its modules except `propose`; an
+An MLA drafter with W_UK folded into its q projection (`fold_mla_query`) runs the same step through
+one q GEMM per layer within 1e-5 (eager, TRITON) / 1e-4 (inductor) of the unfolded one.
+`LLM(torch_compile_config=...)` with a DSpark drafter (MLA also with both folds) reports the drafter's
+regions and its greedy output equals no-spec token for token; an FP8 drafter keeps its modules except `propose`; an
 unfused drafter is refused.
 GPU (bf16, TRITON attention): the step with the inductor regions captured in a CUDA graph vs run
 directly with the eager regions: the pool writes within 2e-2 (norm-relative; bf16 on the CPU
@@ -272,12 +274,45 @@ def test_layers_hand_norms_and_rope_to_a_fusing_backend(kind):
             a.core(*[torch.zeros(t, 4, 16)] * 3, None, None, VanillaAttention(), head_norms=a.head_norms())
 
 
-@pytest.mark.parametrize("kind", ["gqa", "mla"])
-def test_llm_with_compiled_drafter_is_lossless(make_llm, tiny_llama_dir, tiny_drafters, kind):
+@pytest.mark.parametrize("variant", [{}, {"q_lora_rank": 24}])
+def test_folded_query_through_the_regions(variant):
+    """`fold_mla_query` (W_UK folded into the q projection: q_lat | q_pe out of one GEMM, `q_weights`
+    with W_UK None) through the device draft step: the eager regions give the unfolded drafter's drafts,
+    hidden and pool writes within 1e-5 (measured <= 1e-6) and bitwise the folded module path; TRITON's
+    fused append (`mla_attention_parts` -> `forward_mla_rope`) the same within 1e-5; with fold_mla_output
+    too, the eager regions within 1e-5 and the inductor regions within 1e-4. Control: a fold from W_UK
+    with its heads rolled lands beyond 1e-2 (measured: hidden 0.55 - 0.93)."""
+    d = _drafter("mla", CPU, torch.float32, qk_rope_head_dim=16, **variant)
+    want_rows, want_pool, want_hidden = _draft_step(d, VanillaAttention())
+
+    def close(step: tuple, tol: float) -> bool:
+        rows, pool, hidden = step
+        return torch.equal(rows, want_rows) and _rel(pool, want_pool) < tol and _rel(hidden, want_hidden) < tol
+    d.fold_mla_query()
+    assert all(layer.self_attn.q_weights()[3] is None for layer in d.layers)
+    eager = _draft_step(d, VanillaAttention())
+    assert close(eager, 1e-5) and close(_draft_step(d, _spied_triton([])), 1e-5)
+    _module_path(d)
+    assert all(torch.equal(a, b) for a, b in zip(_draft_step(d, VanillaAttention()), eager))
+    d.use_regions(DrafterRegions.eager())
+    d.fold_mla_output()
+    assert close(_draft_step(d, VanillaAttention()), 1e-5)
+    d.use_regions(DrafterRegions.inductor())
+    assert close(_draft_step(d, VanillaAttention()), 1e-4)
+    for layer in d.layers:                               # control: the fold reads W_UK per head
+        layer.self_attn.w_uk = layer.self_attn.w_uk.roll(1, dims=0)
+        layer.self_attn.fold_query()
+    assert _rel(_draft_step(d, VanillaAttention())[2], want_hidden) > 1e-2
+
+
+@pytest.mark.parametrize("kind,folds", [("gqa", {}), ("mla", {}),
+                                        ("mla", {"mla_fold_query": True, "mla_fold_output": True})])
+def test_llm_with_compiled_drafter_is_lossless(make_llm, tiny_llama_dir, tiny_drafters, kind, folds):
     prompts = [[5, 6, 7], [40, 41, 42, 43, 44], [9, 10, 11, 12]]
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in make_llm(tiny_llama_dir).generate(prompts, sp)]
-    llm = make_llm(tiny_llama_dir, speculative_config=dspark_spec(tiny_drafters[kind]), torch_compile_config={})
+    llm = make_llm(tiny_llama_dir, speculative_config={**dspark_spec(tiny_drafters[kind]), **folds},
+                   torch_compile_config={})
     assert llm.capacity_report["layer_regions"] == "inductor"
     assert llm.capacity_report["drafter_regions"] == "inductor"
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == want
