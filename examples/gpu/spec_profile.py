@@ -182,7 +182,9 @@ def profile_arm(model: str, drafter: str | None, batch: int, max_tokens: int, pr
            "one_graph_steps": ex.engine.spec_step.num_launches if ex.engine.spec_step is not None else 0,
            # since the engine started (warm-up included): how prompt steps ran beside the step in flight
            "prompt_steps": {"total": ex.prompt_steps, "beside_in_flight": ex.prompts_beside_flight,
-                            "beside_one_graph": ex.prompts_beside_one_graph, "read_late": ex.prompts_read_late,
+                            "beside_one_graph": ex.prompts_beside_one_graph,
+                            "inside_one_graph": ex.engine.paths.one_graph_with_prompts,
+                            "read_late": ex.prompts_read_late,
                             "read_in_flight_first": ex.reads_before_launch},
            "cuda_graphs": llm.capacity_report.get("cuda_graphs"),
            "drafter_regions": llm.capacity_report.get("drafter_regions")}
