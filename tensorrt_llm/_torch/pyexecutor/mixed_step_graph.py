@@ -11,6 +11,8 @@ Pt) one graph over T = Bv * q + Pt token rows and R = Bv + MAX_PROMPTS request r
 
     token rows   : [ verify segments (b real, then Bv - b padding, q rows each) | prompt chunks | pad ]
     request rows : [ verify (Bv) | prompts (p <= MAX_PROMPTS) | padding requests ]
+    padding      : verify requests b..Bv-1 in a scratch page of their own (`KVCacheManager.scratch_page(1)`);
+                   token rows of no request and padding requests in the shared one
     io (int64)   : `packed_io_views` (ids, positions, slots, draft slots, shift index, shifts; kv_lens,
                    qo_indptr, block tables) | last_rows (MAX_PROMPTS): each prompt's last token row
 
@@ -95,8 +97,12 @@ class MixedSpecGraph:
         self.kv = target.kv
         self.capture = target.graphs.capture
         self.prompt_buckets = [b for b in PROMPT_TOKEN_BUCKETS if b <= max_num_tokens] or [PROMPT_TOKEN_BUCKETS[0]]
-        # padding rows write here (a direct run has none, and holds no page)
+        # padding rows write here (a direct run has none, and holds no page): the token rows of no request
+        # into the shared page (their attention output is never written: garbage, NaN at times, and so
+        # are the K/V they write); the padding verify requests into their own, which only they write and
+        # read (finite rows: their argmax feeds the draft step's embedding, which takes no NaN's index)
         self.scratch_page = self.kv.scratch_page() if self.capture else BAD_PAGE_INDEX
+        self.verify_scratch = self.kv.scratch_page(1) if self.capture else BAD_PAGE_INDEX
         self.max_shift = max(target.token_counts)
         self.graphs: GraphCache[_MixedEntry] = GraphCache(target.device, self.capture)
         self.num_launches = 0
@@ -209,7 +215,7 @@ class MixedSpecGraph:
         slot[:b * q] = plan.slots.reshape(-1)
         pos[b * q:nv] = np.tile(np.arange(q, dtype=np.int64), bv - b)      # padding verify requests
         ids[b * q:nv] = 0
-        slot[b * q:nv] = self.scratch_page * p + pos[b * q:nv]
+        slot[b * q:nv] = self.verify_scratch * p + pos[b * q:nv]
         pack_segments(psegs, lens, ids[nv:], pos[nv:])
         n = nv + int(sum(lens))
         slot[nv:n] = pslots
@@ -229,6 +235,7 @@ class MixedSpecGraph:
         qo[bv + np_ + 1:] = n
         table[:] = BAD_PAGE_INDEX
         table[:, 0] = self.scratch_page
+        table[b:bv, 0] = self.verify_scratch
         np.take(kv.page_table, plan.rows, axis=0, out=table[:b])
         np.take(kv.page_table, prows, axis=0, out=table[bv:bv + np_])
         last[:] = 0

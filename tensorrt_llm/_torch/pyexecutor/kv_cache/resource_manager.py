@@ -73,7 +73,7 @@ class KVCacheManager:
         self._table = np.full((8, self.max_blocks_per_seq), BAD_PAGE_INDEX, dtype=np.int32)
         self._num_pages = np.zeros(8, dtype=np.int64)
         self._free_rows = list(range(7, -1, -1))
-        self._scratch_page: Optional[int] = None
+        self._scratch_pages: list[int] = []
 
     # ---- pools -------------------------------------------------------------------------
     def layer_caches(self, name: str) -> list[torch.Tensor]:
@@ -345,12 +345,14 @@ class KVCacheManager:
             self.pool.register(bid, h, blk_tokens)
             seq.last_hash, seq.num_hashed_blocks = h, i + 1
 
-    def scratch_page(self) -> int:
+    def scratch_page(self, which: int = 0) -> int:
         """The page CUDA-graph padding requests write into (every pool; allocated on first use and
-        held for the manager's lifetime: never hashed, shared or freed, counted as used)."""
-        if self._scratch_page is None:
-            self._scratch_page = self.pool.allocate()
-        return self._scratch_page
+        held for the manager's lifetime: never hashed, shared or freed, counted as used). which: 0, the
+        page every runner shares; 1, a second one for padding requests that must not read what the
+        rows of no request write into the first (`MixedSpecGraph`)."""
+        while len(self._scratch_pages) <= which:
+            self._scratch_pages.append(self.pool.allocate())
+        return self._scratch_pages[which]
 
     def attention_metadata(self, request_ids: Sequence[int], starts: Sequence[int], lengths: Sequence[int],
                            causal: bool) -> AttentionMetadata:
