@@ -105,7 +105,8 @@ def create_py_executor(args: TorchLlmArgs, tokenizer: TokenizerWrapper) -> Execu
         drafter.enable_device_drafts(args.max_batch_size, cuda_graphs=args.use_cuda_graph)
         if engine.packed is not None and drafter.writes_forward_context:
             engine.packed.context = drafter     # prompt steps' draft context inside the packed graph
-        one_graph = _enable_spec_step(engine, drafter, args.max_batch_size, args.max_num_tokens)
+        one_graph = _enable_spec_step(engine, drafter, args.max_batch_size, args.max_num_tokens,
+                                      overlap=not args.disable_overlap_scheduler)
         drafter_report = drafter.describe()
     executor = PyExecutor(engine, sched, sampler, kv, tokenizer.decode, drafter,
                           overlap=not args.disable_overlap_scheduler, step_timeout_s=args.step_timeout_s)
@@ -132,12 +133,15 @@ def create_py_executor(args: TorchLlmArgs, tokenizer: TokenizerWrapper) -> Execu
     return ExecutorBundle(executor, kv, model, max_seq_len, device, dtype, report)
 
 
-def _enable_spec_step(engine: ModelEngine, drafter, max_batch_size: int, max_num_tokens: int) -> dict[str, Any]:
+def _enable_spec_step(engine: ModelEngine, drafter, max_batch_size: int, max_num_tokens: int,
+                      overlap: bool) -> dict[str, Any]:
     """With a device draft step, steady-state DSpark steps run verify -> accept -> draft as one
     graph (`SpecStepGraph`), composed with the target's graph runner, and so do such steps with
-    arriving prompts (`MixedSpecGraph`) where the target backend takes ragged queries on the device;
-    on the CPU (no CUDA graphs) the same steps run directly, the reference path. Returns the
-    capacity report's entry."""
+    arriving prompts (`MixedSpecGraph`) where the target backend takes ragged queries on the device
+    and steps overlap (overlap: the overlap scheduler is on; only an overlapped step continues
+    running requests beside arriving prompts, so without it those graphs are not built); on the CPU
+    (no CUDA graphs) the same steps run directly, the reference path. Returns the capacity report's
+    entry."""
     from .cuda_graph_runner import CUDAGraphRunner
     from .mixed_step_graph import MixedSpecGraph
     from .spec_step_graph import SpecStepGraph
@@ -153,7 +157,9 @@ def _enable_spec_step(engine: ModelEngine, drafter, max_batch_size: int, max_num
     engine.spec_step = SpecStepGraph(target, drafter.graph_runner)
     how = "one CUDA graph" if target.graphs.capture else "one step run directly (the CPU reference path)"
     prompts = "arriving prompts run beside it (the drafter does not write context in the target forward)"
-    if drafter.writes_forward_context:
+    if not overlap:
+        prompts = "arriving prompts run in steps of their own (the overlap scheduler is off)"
+    elif drafter.writes_forward_context:
         try:
             engine.mixed_step = MixedSpecGraph(engine.spec_step, drafter, max_num_tokens)
             prompts = "arriving greedy prompts ride in its forward"

@@ -28,6 +28,11 @@ def test_takes_only_prompt_ends_of_greedy_requests_that_fit(make_llm, tiny_llama
     mixed: MixedSpecGraph = llm._executor.engine.mixed_step
     assert isinstance(mixed, MixedSpecGraph) and not mixed.capture
     assert "ride in its forward" in llm.capacity_report["one_graph_step"]["prompts"]
+    # only overlapped steps continue running requests beside arrivals: without overlap it is not built
+    plain = make_llm(tiny_llama_dir, speculative_config=dspark_spec(tiny_drafters["gqa"]),
+                     disable_overlap_scheduler=True)
+    assert plain._executor.engine.mixed_step is None
+    assert "overlap scheduler is off" in plain.capacity_report["one_graph_step"]["prompts"]
 
     def fit(*items):
         return mixed._prompts_fit([r for r, _ in items], [s for _, s in items])

@@ -184,6 +184,9 @@ def test_prompt_draft_context_is_written_inside_the_step(make_llm, tiny_llama_di
     # two prompt chunks, then request 2 as if generating (4 tokens past its prompt)
     segs = [ForwardSegment(0, prompts[0], 0, 1), ForwardSegment(1, prompts[1][:16], 0, 0),
             ForwardSegment(2, prompts[2][:4], 9, 4)]
+    # a sentinel in the scratch page: the padding rows' writes there are garbage (zeros at times, as
+    # the pool starts), so only a value no write reproduces shows that they landed
+    pool[:, scratch] = 7.0
     start = pool.clone()
     with torch.inference_mode():
         out = runner.run(segs, prompt_segments=2)

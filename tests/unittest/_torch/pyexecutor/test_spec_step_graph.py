@@ -113,7 +113,7 @@ def test_one_graph_step_equals_the_split_step(make_llm, tiny_llama_dir, tiny_dra
     # the split step: the same engine without the one-graph path
     from tensorrt_llm._torch.pyexecutor import py_executor_creator
     real = py_executor_creator._enable_spec_step
-    monkeypatch.setattr(py_executor_creator, "_enable_spec_step", lambda *a: {"enabled": False, "reason": "test"})
+    monkeypatch.setattr(py_executor_creator, "_enable_spec_step", lambda *a, **k: {"enabled": False, "reason": "test"})
     split, s_split, ex_split = generate_run(make_llm, tiny_llama_dir, prompts, params, True, tiny_drafters[kind],
                                          max_batch_size=4)
     monkeypatch.setattr(py_executor_creator, "_enable_spec_step", real)
