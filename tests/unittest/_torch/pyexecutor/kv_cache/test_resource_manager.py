@@ -41,6 +41,22 @@ def test_reserve_then_allocate_lazily_and_free():
     assert_all_returned(kv)
 
 
+def test_scratch_pages_are_distinct_held_and_never_handed_out():
+    """scratch_page(0) is the page every graph runner shares, scratch_page(1) a second one (the mixed
+    one-graph step's padding verify requests): each allocated once on first use, distinct, counted as
+    used for the manager's lifetime, never handed to a request. Control: the pool had them free before."""
+    kv = manager(num_pages=4)
+    assert kv.pool.num_free == 4
+    a, b = kv.scratch_page(), kv.scratch_page(1)
+    assert a != b and kv.scratch_page(0) == a and kv.scratch_page(1) == b      # the same pages again
+    assert kv.pool.num_free == 2
+    kv.add_sequence(1, list(range(20)), 32)
+    kv.ensure_capacity(1, 32)
+    assert not {a, b} & set(kv.request_pages(1))
+    kv.free(1)
+    assert kv.pool.num_free == 2
+
+
 def test_admission_respects_reservations():
     kv = manager(num_pages=6)
     kv.add_sequence(1, [1] * 20, 41)
