@@ -74,6 +74,7 @@ class _MixedEntry(GraphEntry):
     md: Optional[AttentionMetadata] = None
     block_md: Optional[AttentionMetadata] = None
     last_rows: Optional[torch.Tensor] = None       # [MAX_PROMPTS] int64 view of io
+    shifts: Optional[torch.Tensor] = None          # [R + 1] int64 view of io: continued segments' start shifts
     fill: Optional[torch.Tensor] = None            # [MAX_PROMPTS, q - 1] int64: -1
     mask: Optional[torch.Tensor] = None            # [MAX_PROMPTS, K] int64: the mask token
     copied: Optional[torch.cuda.Event] = None      # the last host -> io copy (staging buffer reuse)
@@ -196,6 +197,7 @@ class MixedSpecGraph:
                            host_views=tuple(v.numpy() for v in packed_io_views(host, t, r, width))
                            + (host[-prompts:].numpy(),),
                            md=md, block_md=self.draft.block_metadata(bv, dv[8][:bv]), last_rows=io[-prompts:],
+                           shifts=dv[5],
                            fill=torch.full((prompts, q - 1), -1, dtype=torch.long, device=dev),
                            mask=torch.full((prompts, k), self.draft.mask_token_id, dtype=torch.long, device=dev))
 
@@ -216,7 +218,7 @@ class MixedSpecGraph:
         pos[b * q:nv] = np.tile(np.arange(q, dtype=np.int64), bv - b)      # padding verify requests
         ids[b * q:nv] = 0
         slot[b * q:nv] = self.verify_scratch * p + pos[b * q:nv]
-        pack_segments(psegs, lens, ids[nv:], pos[nv:])
+        prompt_rows = pack_segments(psegs, lens, ids[nv:], pos[nv:]).token_offsets
         n = nv + int(sum(lens))
         slot[nv:n] = pslots
         slot[n:] = scratch[n:]
@@ -246,14 +248,14 @@ class MixedSpecGraph:
                 e.copied = torch.cuda.Event()
             e.copied.record()
         packed.gather_device_tokens(e.io[:b * q])
-        gather_shifts(packed_io_views(e.io, t, r, kv.max_blocks_per_seq)[5], [s.start_shift for s in vsegs])
+        gather_shifts(e.shifts, [s.start_shift for s in vsegs])
         if not self.capture:      # host lengths for the backend (the shifts move the KV lengths on the device)
             md = e.md
             md.seq_lens = [q] * b + list(lens)
             md.num_cached = plan.starts.tolist() + pstarts.tolist()
             md.kv_len_bound = int(kv_lens.max(initial=0)) + self.max_shift
             self.target.backend.prepare(md)
-        return (np.concatenate(([nv], ends[:-1])) if np_ else ends).tolist()
+        return [nv + o for o in prompt_rows]
 
     # ---- the graph -------------------------------------------------------------------------
     def _forward(self, e: _MixedEntry) -> torch.Tensor:
