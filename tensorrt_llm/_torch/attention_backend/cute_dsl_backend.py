@@ -53,11 +53,15 @@ class CuteDslAttention(TritonAttention):
                              self._counter(q.device), head_norms)
         return self._attend(q, kv_cache, md, scale, q.shape[-1], mla=False)
 
-    def forward_mla_rope(self, q_lat, q_pe, kv, cos, sin, norm_weight, eps, kv_cache, metadata, scale, v_dim):
-        """q_lat [T, H, R], unrotated q_pe [T, H, r], the raw latent kv [T, R + r]: one launch builds q =
-        [q_lat | rope(q_pe)] and appends [rms_norm(c_kv) | rope(k_pe)] within each request's pages, then
-        TRITON's absorbed-MLA attention."""
+    def forward_mla_rope(self, q_lat, q_pe, kv, cos, sin, norm_weight, eps, kv_cache, metadata, scale, v_dim,
+                         w_uk=None, w_uv=None):
+        """q_lat [T, H, R] (or q_nope [T, H, nope] with w_uk: q_lat = q_nope W_UK first, a batched GEMM),
+        unrotated q_pe [T, H, r], the raw latent kv [T, R + r]: one launch builds q = [q_lat | rope(q_pe)]
+        and appends [rms_norm(c_kv) | rope(k_pe)] within each request's pages, then TRITON's absorbed-MLA
+        attention (through W_UV given w_uv, as TRITON's)."""
         md = metadata
+        if w_uk is not None:
+            q_lat = torch.einsum("thn,hnr->thr", q_lat, w_uk)
         q = cute_mla_rope_append(q_lat, q_pe, kv, cos, sin, norm_weight, eps, kv_cache, md.slot_mapping,
                                  md.block_tables, *self._token_owners(md), self._counter(q_lat.device))
-        return self._attend(q, kv_cache, md, scale, v_dim, mla=True)
+        return self._attend(q, kv_cache, md, scale, v_dim, mla=True, w_uv=w_uv)

@@ -174,11 +174,15 @@ class AttentionBackend(ABC):
 
     def forward_mla_rope(self, q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor, norm_weight: torch.Tensor, eps: float, kv_cache: torch.Tensor,
-                         metadata: AttentionMetadata, scale: float, v_dim: int) -> torch.Tensor:
+                         metadata: AttentionMetadata, scale: float, v_dim: int, w_uk: Optional[torch.Tensor] = None,
+                         w_uv: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`forward_mla` from the layer's unrotated pieces: q_lat [T, H, R] (q_nope W_UK), q_pe
         [T, H, r] and the raw latent kv [T, R + r] = [c_kv | k_pe]; the backend builds q = [q_lat |
         rope(q_pe)] and writes [rms_norm(c_kv) (norm_weight [R], eps) | rope(k_pe)] as it appends
-        (cos / sin [T, 1, r], half rotation). Only where `capabilities.fused_rope_append`."""
+        (cos / sin [T, 1, r], half rotation). With w_uk [H, nope, R] the first argument is q_nope
+        [T, H, nope] and the backend forms q_lat; with w_uv [H, v, R] it returns the heads' outputs
+        through W_UV, [T, H, v], instead of [T, H, R] in latent space. Only where
+        `capabilities.fused_rope_append`."""
         raise ValueError(f"attention backend {self.name} does not fuse RoPE into its KV append")
 
     def forward_mla(self, q: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor,

@@ -78,15 +78,28 @@ def check_rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
 def check_mla_rope_append(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor,
                           sin: torch.Tensor, norm_weight: torch.Tensor, eps: float, kv_cache: torch.Tensor,
                           slot_mapping: torch.Tensor, block_tables: torch.Tensor, qo_indptr: Optional[torch.Tensor],
-                          tokens_per_seq: int, refused: torch.Tensor) -> None:
+                          tokens_per_seq: int, refused: torch.Tensor, w_uk: Optional[torch.Tensor] = None) -> None:
     """ValueError naming the argument unless `mla_rope_append` (either form) takes these inputs: q_lat
     [T, H, R] and q_pe [T, H, r] with contiguous dims, kv [T, R + r] with contiguous dims, kv_cache
     [pages, 1, 1, P, R + r] contiguous, one dtype for all four, R, r and P powers of two >= 2, cos / sin
-    [T, 1, r] float32, norm_weight [R], eps > 0, and the append's own checks."""
+    [T, 1, r] float32, norm_weight [R], eps > 0, and the append's own checks. With w_uk [H, nope, R]
+    (contiguous, the same dtype) q_lat is q_nope [T, H, nope], nope and R powers of two >= 16."""
     t_n, heads, rank = q_lat.shape if q_lat.dim() == 3 else (0, 0, 0)
+    name = "q_lat" if w_uk is None else "q_nope"
     if q_lat.dim() != 3 or q_lat.stride(2) != 1:
-        raise ValueError(f"q_lat must be [T, H, R] with contiguous dims, got {tuple(q_lat.shape)} strides "
-                         f"{q_lat.stride()}")
+        raise ValueError(f"{name} must be [T, H, {'R' if w_uk is None else 'nope'}] with contiguous dims, got "
+                         f"{tuple(q_lat.shape)} strides {q_lat.stride()}")
+    if w_uk is not None:
+        nope = rank
+        if w_uk.dim() != 3 or w_uk.shape[:2] != (heads, nope) or not w_uk.is_contiguous() or w_uk.dtype != q_lat.dtype:
+            raise ValueError(f"w_uk must be [{heads}, {nope}, R] contiguous {q_lat.dtype} (q_nope's heads and width), "
+                             f"got {tuple(w_uk.shape)} {w_uk.dtype}")
+        rank = w_uk.shape[2]
+        for what, n in (("q_nope width", nope), ("kv_lora_rank", rank)):
+            if n < 16 or n & (n - 1):
+                raise ValueError(f"{what} {n} must be a power of two >= 16 to form q_nope W_UK in the launch")
+        if w_uk.device != kv.device:
+            raise ValueError(f"w_uk must be on {kv.device} (kv's device), got {w_uk.device}")
     rope_dim = kv.shape[-1] - rank
     if q_pe.dim() != 3 or q_pe.shape != (t_n, heads, rope_dim) or q_pe.stride(2) != 1:
         raise ValueError(f"q_pe must be [{t_n}, {heads}, {rope_dim}] with contiguous dims, got "
@@ -96,7 +109,7 @@ def check_mla_rope_append(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Ten
     if kv_cache.dim() != 5 or kv_cache.shape[1:3] != (1, 1) or kv_cache.shape[4] != rank + rope_dim:
         raise ValueError(f"kv_cache must be [pages, 1, 1, P, {rank + rope_dim}], got {tuple(kv_cache.shape)}")
     if not kv_cache.is_contiguous() or len({q_lat.dtype, q_pe.dtype, kv.dtype, kv_cache.dtype}) != 1:
-        raise ValueError(f"q_lat, q_pe, kv and kv_cache must share one dtype (kv_cache contiguous), got "
+        raise ValueError(f"{name}, q_pe, kv and kv_cache must share one dtype (kv_cache contiguous), got "
                          f"{q_lat.dtype}, {q_pe.dtype}, {kv.dtype}, {kv_cache.dtype}")
     page_size = kv_cache.shape[3]
     for name, n in (("kv_lora_rank", rank), ("rope dim", rope_dim), ("page size", page_size)):
@@ -111,6 +124,6 @@ def check_mla_rope_append(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Ten
         raise ValueError(f"eps must be > 0, got {eps}")
     _check_token_split(qo_indptr, tokens_per_seq, block_tables.shape[0], t_n)
     check_paged_kv_append(kv[:, None, :], kv_cache, slot_mapping, block_tables, qo_indptr, tokens_per_seq, 0, refused)
-    for name, x in (("q_lat", q_lat), ("q_pe", q_pe), ("cos", cos), ("sin", sin)):
+    for what, x in ((name, q_lat), ("q_pe", q_pe), ("cos", cos), ("sin", sin)):
         if x.device != kv.device:
-            raise ValueError(f"{name} must be on {kv.device} (kv's device), got {x.device}")
+            raise ValueError(f"{what} must be on {kv.device} (kv's device), got {x.device}")

@@ -116,7 +116,7 @@ class TritonAttention(AttentionBackend):
         scatter_rows(kv_cache, cache_write_rows(md.slot_mapping, planes, h, p, plane), values)
 
     def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float,
-                v_dim: int, mla: bool) -> torch.Tensor:
+                v_dim: int, mla: bool, w_uv: Optional[torch.Tensor] = None) -> torch.Tensor:
         from .triton_paged_kernel import paged_attention
         if kv_cache.dtype != q.dtype:
             raise ValueError(f"TRITON needs the KV cache in the query dtype ({q.dtype}), got {kv_cache.dtype}")
@@ -126,7 +126,7 @@ class TritonAttention(AttentionBackend):
         if q.stride(-1) != 1:       # the kernel reads any token / head strides (a view of the q|k|v buffer)
             q = q.contiguous()
         return paged_attention(q, kv_cache, md.block_tables, lens, scale, md.causal, v_dim, mla,
-                               num_splits=self.num_splits,
+                               num_splits=self.num_splits, v_proj=w_uv,
                                qo_indptr=qo, max_q=0 if qo is None else md.max_q_bound or max(md.seq_lens))
 
     def forward(self, q, k, v, kv_cache, metadata, scale):
@@ -144,14 +144,16 @@ class TritonAttention(AttentionBackend):
                         self._counter(q.device), head_norms)
         return self._attend(q, kv_cache, md, scale, q.shape[-1], mla=False)
 
-    def forward_mla_rope(self, q_lat, q_pe, kv, cos, sin, norm_weight, eps, kv_cache, metadata, scale, v_dim):
-        """Absorbed MLA from unrotated pieces: one launch builds q, norms and rotates the latent and
-        appends it within each request's pages (`triton_rope_append.mla_rope_append`), then attention."""
+    def forward_mla_rope(self, q_lat, q_pe, kv, cos, sin, norm_weight, eps, kv_cache, metadata, scale, v_dim,
+                         w_uk=None, w_uv=None):
+        """Absorbed MLA from unrotated pieces: one launch builds q (q_nope W_UK too, given w_uk), norms and
+        rotates the latent and appends it within each request's pages (`triton_rope_append.mla_rope_append`),
+        then attention, its output through W_UV in the launch that merges the splits, given w_uv."""
         from .triton_rope_append import mla_rope_append
         md = metadata
         q = mla_rope_append(q_lat, q_pe, kv, cos, sin, norm_weight, eps, kv_cache, md.slot_mapping, md.block_tables,
-                            *self._token_owners(md), self._counter(q_lat.device))
-        return self._attend(q, kv_cache, md, scale, v_dim, mla=True)
+                            *self._token_owners(md), self._counter(q_lat.device), w_uk)
+        return self._attend(q, kv_cache, md, scale, v_dim, mla=True, w_uv=w_uv)
 
     def forward_mla(self, q, latent, kv_cache, metadata, scale, v_dim):
         """q: [T, H, R+r]; latent: [T, R+r]; kv_cache: [num_pages, 1, 1, P, R+r] -> [T, H, R]."""

@@ -11,7 +11,9 @@ where rope is the half rotation with the full-width signed tables of `RotaryEmbe
 over each head (float32 statistics; the normed value rounded to x's dtype, times the weight,
 rounded again: `modules.rms_norm`'s order). The absorbed-MLA form (`mla_rope_append`, the MLA
 drafter's layers) builds q_out[t] = [q_lat[t] | rope(q_pe[t])] and appends the latent
-[rms_norm(c_kv[t]) | rope(k_pe[t])] as the cache's one plane.
+[rms_norm(c_kv[t]) | rope(k_pe[t])] as the cache's one plane; given W_UK it forms q_lat[t] = q_nope[t]
+W_UK itself (one dot per head and block of tokens), so the layer needs no batched GEMM and layout
+copies for it. Its programs are (token block, head) plus one per token block for the appends.
 
 The write is bounded as `paged_append.py`'s op: a slot of -1 is skipped; a slot whose page is not
 in its request's block-table row (or is outside the pool) is refused, never written, and counted
@@ -34,6 +36,7 @@ import triton.language as tl
 
 from .interface import HeadNorms
 from .rope_append_checks import check_mla_rope_append, check_rope_append
+from .triton_paged_kernel import mla_block_tokens
 
 
 @triton.jit
@@ -114,26 +117,65 @@ def _rope_append_kernel(q_ptr, stride_qt, k_ptr, stride_kt, v_ptr, stride_vt, co
 
 
 @triton.jit
-def _mla_rope_append_kernel(ql_ptr, stride_qlt, stride_qlh, qp_ptr, stride_qpt, stride_qph, kv_ptr, stride_kvt, cos_ptr,
-                            stride_cos, sin_ptr, stride_sin, norm_ptr, eps, out_ptr, cache_ptr, stride_cp,
-                            slots_ptr, bt_ptr, stride_bt, width, qo_ptr, n_req, qps, pages, refused_ptr,
-                            H: tl.constexpr, H_P: tl.constexpr, R: tl.constexpr, DR: tl.constexpr,
-                            PAGE: tl.constexpr, RAGGED: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_B: tl.constexpr):
-    t = tl.program_id(0)
-    h = tl.arange(0, H_P)
-    hok = h[:, None] < H
-    r = tl.arange(0, R)
-    d = tl.arange(0, DR)
-    dsw = (d + DR // 2) % DR
-    cos = tl.load(cos_ptr + t * stride_cos + d)
-    sin = tl.load(sin_ptr + t * stride_sin + d)
-    row = out_ptr + t * H * (R + DR) + h[:, None] * (R + DR)
-    q_lat = tl.load(ql_ptr + t * stride_qlt + h[:, None] * stride_qlh + r[None, :], mask=hok, other=0.0)
-    tl.store(row + r[None, :], q_lat.to(out_ptr.dtype.element_ty), mask=hok)
-    qp = qp_ptr + t * stride_qpt + h[:, None] * stride_qph
-    x = tl.load(qp + d[None, :], mask=hok, other=0.0).to(tl.float32)
-    xs = tl.load(qp + dsw[None, :], mask=hok, other=0.0).to(tl.float32)
-    tl.store(row + R + d[None, :], (x * cos[None, :] + xs * sin[None, :]).to(out_ptr.dtype.element_ty), mask=hok)
+def _mla_rope_append_kernel(qf_ptr, stride_qft, stride_qfh, wuk_ptr, qp_ptr, stride_qpt, stride_qph, kv_ptr, stride_kvt,
+                            cos_ptr, stride_cos, sin_ptr, stride_sin, norm_ptr, eps, out_ptr, cache_ptr, stride_cp,
+                            slots_ptr, bt_ptr, stride_bt, width, qo_ptr, n_req, qps, pages, refused_ptr, n_tok,
+                            H: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, NOPE: tl.constexpr,
+                            ABSORB: tl.constexpr, BT: tl.constexpr, RC: tl.constexpr, PAGE: tl.constexpr,
+                            RAGGED: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_B: tl.constexpr,
+                            F32_DOT: tl.constexpr):
+    """Program (token block tb, h): h < H builds head h's q rows of tokens tb*BT.. (q_nope W_UK[h] by
+    one dot with ABSORB, else q_lat copied; then rope(q_pe)); h == H appends the block's latents.
+    F32_DOT: the dot's operands in float32 (the CPU interpreter, whose 16-bit dot is wrong)."""
+    tb = tl.program_id(0)
+    h = tl.program_id(1)
+    t = tb * BT + tl.arange(0, BT)
+    tok = (t < n_tok)[:, None]
+    if h < H:
+        dt = out_ptr.dtype.element_ty
+        row = out_ptr + t[:, None] * (H * (R + DR)) + h * (R + DR)
+        qf = qf_ptr + t[:, None] * stride_qft + h * stride_qfh
+        if ABSORB:     # q_lat = q_nope [BT, NOPE] @ W_UK[h] [NOPE, R], float32 accumulation
+            n = tl.arange(0, NOPE)
+            q_nope = tl.load(qf + n[None, :], mask=tok, other=0.0)
+            if F32_DOT:
+                q_nope = q_nope.to(tl.float32)
+            for r0 in tl.static_range(0, R, RC):
+                rc = r0 + tl.arange(0, RC)
+                w = tl.load(wuk_ptr + h * (NOPE * R) + n[:, None] * R + rc[None, :])
+                if F32_DOT:
+                    w = w.to(tl.float32)
+                tl.store(row + rc[None, :], tl.dot(q_nope, w).to(dt), mask=tok)
+        else:
+            for r0 in tl.static_range(0, R, RC):
+                rc = r0 + tl.arange(0, RC)
+                tl.store(row + rc[None, :], tl.load(qf + rc[None, :], mask=tok, other=0.0).to(dt), mask=tok)
+        d = tl.arange(0, DR)
+        dsw = (d + DR // 2) % DR
+        cos = tl.load(cos_ptr + t[:, None] * stride_cos + d[None, :], mask=tok, other=0.0)
+        sin = tl.load(sin_ptr + t[:, None] * stride_sin + d[None, :], mask=tok, other=0.0)
+        qp = qp_ptr + t[:, None] * stride_qpt + h * stride_qph
+        x = tl.load(qp + d[None, :], mask=tok, other=0.0).to(tl.float32)
+        xs = tl.load(qp + dsw[None, :], mask=tok, other=0.0).to(tl.float32)
+        tl.store(row + R + d[None, :], (x * cos + xs * sin).to(dt), mask=tok)
+    else:
+        r = tl.arange(0, R)
+        d = tl.arange(0, DR)
+        dsw = (d + DR // 2) % DR
+        for i in range(BT):
+            ti = tb * BT + i
+            if ti < n_tok:
+                _mla_append_one(ti, kv_ptr, stride_kvt, cos_ptr, stride_cos, sin_ptr, stride_sin, norm_ptr, eps,
+                                cache_ptr, stride_cp, slots_ptr, bt_ptr, stride_bt, width, qo_ptr, n_req, qps, pages,
+                                refused_ptr, r, d, dsw, R, DR, PAGE, RAGGED, BLOCK_W, BLOCK_B)
+
+
+@triton.jit
+def _mla_append_one(t, kv_ptr, stride_kvt, cos_ptr, stride_cos, sin_ptr, stride_sin, norm_ptr, eps, cache_ptr,
+                    stride_cp, slots_ptr, bt_ptr, stride_bt, width, qo_ptr, n_req, qps, pages, refused_ptr, r, d, dsw,
+                    R: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr, RAGGED: tl.constexpr,
+                    BLOCK_W: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Token t's latent [rms_norm(c_kv) | rope(k_pe)] into its slot, if its request owns the page."""
     slot = tl.load(slots_ptr + t)
     if slot >= 0:
         page = slot // PAGE
@@ -144,6 +186,8 @@ def _mla_rope_append_kernel(ql_ptr, stride_qlt, stride_qlh, qp_ptr, stride_qpt, 
             c = (c * tl.rsqrt(tl.sum(c * c, axis=0) / R + eps)).to(kv_ptr.dtype.element_ty).to(tl.float32) * w
             cell = cache_ptr + page * stride_cp + (slot % PAGE) * (R + DR)
             tl.store(cell + r, c.to(dt))
+            cos = tl.load(cos_ptr + t * stride_cos + d)
+            sin = tl.load(sin_ptr + t * stride_sin + d)
             k = tl.load(kv_ptr + t * stride_kvt + R + d).to(tl.float32)
             ks = tl.load(kv_ptr + t * stride_kvt + R + dsw).to(tl.float32)
             tl.store(cell + R + d, (k * cos + ks * sin).to(dt))
@@ -189,25 +233,29 @@ def rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
 def mla_rope_append(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     norm_weight: torch.Tensor, eps: float, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                     block_tables: torch.Tensor, qo_indptr: Optional[torch.Tensor], tokens_per_seq: int,
-                    refused: torch.Tensor) -> torch.Tensor:
+                    refused: torch.Tensor, w_uk: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The absorbed-MLA form: q_lat [T, H, R] (q_nope W_UK) and unrotated q_pe [T, H, r] (both with
     contiguous dims, any token / head strides) and a token's raw latent kv [T, R + r] = [c_kv |
     k_pe] (contiguous dims) -> q [T, H, R + r] = [q_lat | rope(q_pe)] (a new tensor, q_lat's dtype);
     the latent [rms_norm(c_kv) | rope(k_pe)] (norm_weight [R], eps) written into kv_cache [pages, 1,
     1, P, R + r] at slot_mapping within each token's request's pages, refusals added to refused.
-    The rest as `rope_append`."""
+    With w_uk [H, nope, R] (contiguous) the first argument is q_nope [T, H, nope] and the launch
+    forms q_lat = q_nope W_UK itself (per head, float32 accumulation). The rest as `rope_append`."""
     check_mla_rope_append(q_lat, q_pe, kv, cos, sin, norm_weight, eps, kv_cache, slot_mapping, block_tables,
-                          qo_indptr, tokens_per_seq, refused)
-    t_n, heads, rank = q_lat.shape
+                          qo_indptr, tokens_per_seq, refused, w_uk)
+    t_n, heads, first = q_lat.shape
+    rank = first if w_uk is None else w_uk.shape[2]
     rope_dim, page_size, b_n = kv.shape[-1] - rank, kv_cache.shape[3], block_tables.shape[0]
     out = torch.empty(t_n, heads, rank + rope_dim, dtype=q_lat.dtype, device=q_lat.device)
     if t_n == 0:
         return out
-    w = block_tables.shape[1]
-    _mla_rope_append_kernel[(t_n,)](
-        q_lat, q_lat.stride(0), q_lat.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1), kv, kv.stride(0), cos,
-        cos.stride(0), sin, sin.stride(0), norm_weight, float(eps), out, kv_cache, kv_cache.stride(0),
-        slot_mapping, block_tables, block_tables.stride(0), w, qo_indptr if qo_indptr is not None else slot_mapping,
-        b_n, max(tokens_per_seq, 1), kv_cache.shape[0], refused, H=heads, H_P=triton.next_power_of_2(heads),
-        R=rank, DR=rope_dim, PAGE=page_size, RAGGED=qo_indptr is not None, **_owner_blocks(w, b_n), num_warps=4)
+    w, bt = block_tables.shape[1], mla_block_tokens(t_n)
+    _mla_rope_append_kernel[(triton.cdiv(t_n, bt), heads + 1)](
+        q_lat, q_lat.stride(0), q_lat.stride(1), q_lat if w_uk is None else w_uk, q_pe, q_pe.stride(0),
+        q_pe.stride(1), kv, kv.stride(0), cos, cos.stride(0), sin, sin.stride(0), norm_weight, float(eps), out,
+        kv_cache, kv_cache.stride(0), slot_mapping, block_tables, block_tables.stride(0), w,
+        qo_indptr if qo_indptr is not None else slot_mapping, b_n, max(tokens_per_seq, 1), kv_cache.shape[0], refused,
+        t_n, H=heads, R=rank, DR=rope_dim, NOPE=first, ABSORB=w_uk is not None, BT=bt, RC=min(rank, 128),
+        PAGE=page_size, RAGGED=qo_indptr is not None, **_owner_blocks(w, b_n), F32_DOT=q_lat.device.type != "cuda",
+        num_warps=4)
     return out

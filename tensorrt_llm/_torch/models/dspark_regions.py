@@ -10,9 +10,11 @@ The drafter's device step (`DraftGraphRunner.draft_rows`) is, per region::
     gqa_attention_inputs: input_layernorm -> q|k|v GEMM -> q_norm, k_norm -> RoPE  (forward_block, per layer)
     qkv             : input_layernorm -> q|k|v GEMM, the target's region unrotated (forward_block on a
                       backend with `fused_rope_append`: the q / k norms and RoPE go in its KV append)
-    mla_attention_parts: input_layernorm -> q (q_a, norm, q_b) -> q_nope W_UK | q_pe, and the raw
-                      latent (kv_a GEMM): the same backend norms, rotates and appends the rest (with
-                      W_UK folded into q_b / q_proj, `mla_fold_query`: q_lat | q_pe out of one GEMM)
+    mla_attention_parts: input_layernorm -> q (q_a, norm, q_b) -> q_nope | q_pe, and the raw
+                      latent (kv_a GEMM; without q_lora one GEMM for both): the same backend forms
+                      q_nope W_UK, norms, rotates and appends the rest, and takes the attention's
+                      output through W_UV (with W_UK folded into q_b / q_proj, `mla_fold_query`,
+                      q_lat | q_pe come out of the GEMM)
     mla_attention_inputs: input_layernorm -> q (q_a, norm, q_b) | latent -> RoPE -> q_nope W_UK
     output          : o_proj + residual -> norm -> gate|up SwiGLU -> down + residual (the target's region)
     greedy_drafts   : lm_head GEMM -> per draft: + Markov bias of the previous pick -> argmax (propose_greedy;
@@ -135,33 +137,41 @@ def mla_latent(x: torch.Tensor, kv_a_w: torch.Tensor, kv_norm_w: torch.Tensor, e
 
 
 def mla_attention_parts(h: torch.Tensor, norm_w: torch.Tensor, eps: float, q_a_w: Optional[torch.Tensor],
-                        q_a_norm_w: Optional[torch.Tensor], q_w: torch.Tensor, w_uk: Optional[torch.Tensor],
-                        kv_a_w: torch.Tensor, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """h [T, H] residual stream -> (q_lat [T, Hq, R] = q_nope W_UK, unrotated q_pe [T, Hq, rope], the
-    raw latent [T, R + rope] = [c_kv | k_pe] before its norm and rotation): `mla_attention_inputs`
-    up to what a backend with `fused_rope_append` does in its append (`forward_mla_rope`).
+                        q_a_norm_w: Optional[torch.Tensor], q_w: torch.Tensor, kv_a_w: Optional[torch.Tensor],
+                        heads: int, first: int, kv_lora_rank: int, rope_dim: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h [T, H] residual stream -> (q_first [T, Hq, first], unrotated q_pe [T, Hq, rope], the raw latent
+    [T, R + rope] = [c_kv | k_pe] before its norm and rotation): the projections of
+    `mla_attention_inputs`, before the W_UK product, which a backend with `fused_rope_append` forms in
+    its append (`forward_mla_rope`) with the rotations and the latent's norm.
 
-    q_w: q_proj [Hq (nope + rope), H], or q_b_proj after q_a_w / q_a_norm_w (q_lora; both None
-    without); w_uk [Hq, nope, R]; or, folded (`MLAAttention.fold_query`), q_w [Hq (R + rope), H or
-    q_lora_rank] with w_uk None: q_lat and q_pe are then the views of its one GEMM's output
-    (`MLAAttention.q_weights`). kv_a_w [R + rope, H]."""
+    q_w: q_proj [Hq (first + rope), H], or q_b_proj after q_a_w / q_a_norm_w (q_lora; both None
+    without); first = nope, or R once W_UK is folded into it (`MLAAttention.fold_query`). kv_a_w [R +
+    rope, H], or None when q_w holds the kv_a rows after its own (one GEMM,
+    `MLAAttention.fuse_projections`). The three are views of the GEMM outputs (contiguous last dims)."""
     t, x = h.shape[0], rms_norm(h, norm_w, eps)
-    qx = x if q_a_w is None else rms_norm(F.linear(x, q_a_w), q_a_norm_w, eps)
-    rope = kv_a_w.shape[0] - kv_lora_rank
-    first = kv_lora_rank if w_uk is None else w_uk.shape[1]         # q_lat (folded) or q_nope
-    q_first, q_pe = F.linear(qx, q_w).view(t, q_w.shape[0] // (first + rope), first + rope).split([first, rope], -1)
-    q_lat = q_first if w_uk is None else torch.einsum("thn,hnr->thr", q_first, w_uk)
-    return q_lat, q_pe, F.linear(x, kv_a_w)
+    if kv_a_w is None:
+        y = F.linear(x, q_w)
+        nq = y.shape[1] - kv_lora_rank - rope_dim
+        q, kv = y[:, :nq], y[:, nq:]
+    else:
+        qx = x if q_a_w is None else rms_norm(F.linear(x, q_a_w), q_a_norm_w, eps)
+        q, kv = F.linear(qx, q_w), F.linear(x, kv_a_w)
+    q_first, q_pe = q.view(t, heads, first + rope_dim).split([first, rope_dim], -1)
+    return q_first, q_pe, kv
 
 
 def mla_attention_inputs(h: torch.Tensor, norm_w: torch.Tensor, eps: float, q_a_w: Optional[torch.Tensor],
-                         q_a_norm_w: Optional[torch.Tensor], q_w: torch.Tensor, w_uk: Optional[torch.Tensor],
-                         kv_a_w: torch.Tensor, kv_norm_w: torch.Tensor, positions: torch.Tensor, cos_t: torch.Tensor,
-                         sin_t: torch.Tensor, interleaved: bool, kv_lora_rank: int
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         q_a_norm_w: Optional[torch.Tensor], q_w: torch.Tensor, kv_a_w: Optional[torch.Tensor],
+                         heads: int, first: int, kv_lora_rank: int, rope_dim: int, w_uk: Optional[torch.Tensor],
+                         kv_norm_w: torch.Tensor, positions: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor,
+                         interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """h [T, H] residual stream -> (absorbed q [T, Hq, R + rope], latent [T, R + rope]) of an MLA layer:
-    `mla_attention_parts`, then the rotations and the latent's norm (weights as there)."""
-    q_lat, q_pe, kv = mla_attention_parts(h, norm_w, eps, q_a_w, q_a_norm_w, q_w, w_uk, kv_a_w, kv_lora_rank)
+    `mla_attention_parts` (weights and dims as there), q_nope W_UK (w_uk [Hq, nope, R]; None once
+    folded), then the rotations and the latent's norm."""
+    q_first, q_pe, kv = mla_attention_parts(h, norm_w, eps, q_a_w, q_a_norm_w, q_w, kv_a_w, heads, first,
+                                            kv_lora_rank, rope_dim)
+    q_lat = q_first if w_uk is None else torch.einsum("thn,hnr->thr", q_first, w_uk)
     q_pe = _rope(q_pe, positions, cos_t, sin_t, interleaved)
     latent = _latent_from_kv(kv, kv_norm_w, eps, positions, cos_t, sin_t, interleaved, kv_lora_rank)
     return torch.cat((q_lat, q_pe.to(q_lat.dtype)), dim=-1), latent

@@ -110,12 +110,12 @@ class DSparkDecoderLayer(nn.Module):
         if isinstance(a, MLAAttention):
             if not a.absorb:
                 return a.attend(n(h), positions, kv_cache, md, backend)
-            w = (h, n.weight, n.eps, *a.q_weights(), a.kv_a_proj_with_mqa.weight)   # W_UK None once folded
+            w = (h, n.weight, n.eps, *a.projection_weights(), a.num_heads, a.q_first_dim, a.kv_lora_rank,
+                 a.qk_rope_head_dim)
             if rope is not None:
-                q_lat, q_pe, kv = r.mla_attention_parts(*w, a.kv_lora_rank)
-                return a.attend_absorbed_rope(q_lat, q_pe, kv, rope, kv_cache, md, backend)
-            q, latent = r.mla_attention_inputs(*w, a.kv_a_layernorm.weight, positions, *tables, a.rotary.interleaved,
-                                               a.kv_lora_rank)
+                return a.attend_absorbed_rope(*r.mla_attention_parts(*w), rope, kv_cache, md, backend)
+            q, latent = r.mla_attention_inputs(*w, a.absorbed_w_uk(), a.kv_a_layernorm.weight, positions, *tables,
+                                               a.rotary.interleaved)
             return a.attend_absorbed(q, latent, kv_cache, md, backend)
         if rope is not None:
             q, k, v = r.qkv(h, n.weight, n.eps, *a._qkv, None, None, a.num_heads, a.num_kv_heads, a.head_dim)
@@ -221,14 +221,13 @@ class DSparkForCausalLMBase(nn.Module, ABC):
         return [layer.self_attn for layer in self.layers]
 
     def fuse_projections(self) -> None:
-        """Inference-time GEMM fusion (GQA q|k|v, gate|up; the parameters become views, the state
-        dict keeps its keys), then the eager regions (`use_regions` may give compiled ones); call after
-        the final `.to(device, dtype)`. FP8 block-scaled projections are not fused: with quant_config
+        """Inference-time GEMM fusion (GQA q|k|v, MLA q|kv_a without q_lora, gate|up; the parameters
+        become views, the state dict keeps its keys), then the eager regions (`use_regions` may give
+        compiled ones); call after the final `.to(device, dtype)`. FP8 block-scaled projections are not fused: with quant_config
         fc and the layers keep their modules."""
         if self.config.quant_config is None:
             for layer in self.layers:
-                if isinstance(layer.self_attn, Attention):
-                    layer.self_attn.fuse_projections()
+                layer.self_attn.fuse_projections()
                 layer.mlp.fuse_projections()
         self.use_regions(DrafterRegions.eager())
 

@@ -82,6 +82,8 @@ class MLAAttention(nn.Module):
         self.register_buffer("w_o_abs", None, persistent=False)
         # the q projection through W_UK, [H * (kv_lora_rank + rope), q input], set by fold_query (absorbed only)
         self.register_buffer("w_q_abs", None, persistent=False)
+        # [q projection rows | kv_a rows] as one weight, set by fuse_projections (no q_lora)
+        self._q_kv: Optional[torch.Tensor] = None
 
     # ---- projections -------------------------------------------------------------------
     def project_latent(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -126,6 +128,43 @@ class MLAAttention(nn.Module):
         if self.w_q_abs is not None:
             return *q_a, self.w_q_abs, None
         return *q_a, self._q_out_proj().weight, self.w_uk_uv()[0]
+
+    def fuse_projections(self) -> None:
+        """One GEMM for the q projection and kv_a_proj_with_mqa, which both read the normed x (without
+        q_lora only; with q_lora, or FP8 block-scaled projections, nothing changes): the weights
+        become views of the fused one (`projection_weights`). After `fold_query` the fused q rows are
+        the folded weight's; `fold_query` after this fuses again."""
+        proj, kv_a = self._q_out_proj(), self.kv_a_proj_with_mqa
+        if self.q_lora_rank is not None or not isinstance(proj, nn.Linear) or not isinstance(kv_a, nn.Linear):
+            return
+        q_w = self.w_q_abs if self.w_q_abs is not None else proj.weight.data
+        w = torch.cat((q_w, kv_a.weight.data), 0)
+        n = q_w.shape[0]
+        if self.w_q_abs is not None:
+            self.w_q_abs = w[:n]
+        else:
+            proj.weight.data = w[:n]
+        kv_a.weight.data = w[n:]
+        self._q_kv = w
+
+    def projection_weights(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor,
+                                          Optional[torch.Tensor]]:
+        """The weights `dspark_regions.mla_attention_parts` takes: (q_a_proj, q_a_layernorm, q weight,
+        kv_a_proj_with_mqa) as `q_weights` without W_UK, or (None, None, [q rows | kv_a rows], None) once
+        fused (`fuse_projections`)."""
+        if self._q_kv is not None:
+            return None, None, self._q_kv, None
+        return *self.q_weights()[:3], self.kv_a_proj_with_mqa.weight
+
+    @property
+    def q_first_dim(self) -> int:
+        """Width of each head's first q part: q_nope (qk_nope_head_dim), or q_lat (kv_lora_rank) once
+        W_UK is folded into the q projection (`fold_query`)."""
+        return self.kv_lora_rank if self.w_q_abs is not None else self.qk_nope_head_dim
+
+    def absorbed_w_uk(self) -> Optional[torch.Tensor]:
+        """W_UK [H, nope, R] (contiguous) for the absorbed q, or None once folded into the q projection."""
+        return None if self.w_q_abs is not None else self.w_uk_uv()[0].contiguous()
 
     def w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head: W_UK [H, nope, R], W_UV [H, v_head_dim, R] (the contiguous copies
@@ -174,6 +213,8 @@ class MLAAttention(nn.Module):
         w_lat = torch.einsum("hnr,hni->hri", w_uk, wq[:, :self.qk_nope_head_dim])        # [H, R, in]
         w = torch.cat((w_lat, wq[:, self.qk_nope_head_dim:]), dim=1)                     # [H, R + rope, in]
         self.w_q_abs = w.reshape(-1, wq.shape[-1]).to(proj.weight.dtype)
+        if self._q_kv is not None:
+            self.fuse_projections()
 
     def output_weight(self) -> torch.Tensor:
         """The weight that takes `attend`'s output to the hidden size: [hidden, H * kv_lora_rank] once
@@ -212,15 +253,19 @@ class MLAAttention(nn.Module):
         tokens' latents [T, R + rope] (written first) -> [T, H * v_head_dim], before o_proj."""
         return self._from_latent(backend.forward_mla(q, latent, kv_cache, md, self.scale, self.kv_lora_rank))
 
-    def attend_absorbed_rope(self, q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor,
+    def attend_absorbed_rope(self, q_first: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor,
                              rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor, md: AttentionMetadata,
                              backend: AttentionBackend) -> torch.Tensor:
-        """`attend_absorbed` from unrotated pieces (q_lat [T, H, R], q_pe [T, H, rope], the raw latent
-        kv [T, R + rope]) on a backend with `fused_rope_append`: it rotates, norms (kv_a_layernorm)
-        and appends in one launch. rope: (cos, sin) from `rotary.cos_sin`."""
+        """`attend_absorbed` from unrotated pieces (q_first [T, H, nope] (q_lat [T, H, R] once W_UK is
+        folded, `fold_query`), q_pe [T, H, rope], the raw latent kv [T, R + rope]) on a backend with
+        `fused_rope_append`: one launch forms q_nope W_UK, rotates, norms (kv_a_layernorm) and appends,
+        and the attention's output comes back through W_UV (as it is once folded, `fold_output`).
+        rope: (cos, sin) from `rotary.cos_sin`. -> [T, H * v_head_dim] ([T, H * R] once folded)."""
         n = self.kv_a_layernorm
-        return self._from_latent(backend.forward_mla_rope(q_lat, q_pe, kv, *rope, n.weight, n.eps, kv_cache, md,
-                                                          self.scale, self.kv_lora_rank))
+        w_uv = None if self.w_o_abs is not None else self.w_uk_uv()[1].contiguous()
+        o = backend.forward_mla_rope(q_first, q_pe, kv, *rope, n.weight, n.eps, kv_cache, md, self.scale,
+                                     self.kv_lora_rank, w_uk=self.absorbed_w_uk(), w_uv=w_uv)
+        return o.reshape(o.shape[0], -1).to(self.output_weight().dtype)
 
     def _from_latent(self, o_lat: torch.Tensor) -> torch.Tensor:
         """o_lat [T, H, R] attention output in latent space -> [T, H * v_head_dim] through W_UV, or

@@ -1,7 +1,8 @@
 """Plan-free paged attention (Triton, lengths read on the device) against the VANILLA reference
 (`paged_sdpa`, host metadata): GQA causal (verify rows), GQA non-causal (a draft block) and
-absorbed MLA, over shuffled pages and uneven lengths. Negative controls: a length off by one
-page and another request's table row land far outside the tolerance; bad shapes raise.
+absorbed MLA, over shuffled pages and uneven lengths; MLA's output through W_UV in the merge
+launch. Negative controls: a length off by one page, another request's table row and W_UV with its
+heads rolled land far outside the tolerance; bad shapes raise.
 
 Runs on the GPU (bf16; marked `gpu` there) and, without one, in Triton's interpreter on the CPU
 (float32); skipped where triton is not installed.
@@ -227,3 +228,39 @@ def test_unallocated_pages_are_never_read():
     assert torch.isfinite(got.float()).all()
     want = _reference(q, cache, table, [40, 32], 4, False, 32, False)   # request 1 without those keys
     assert rel(got[4:], want[4:]) < TOL and rel(got[:4], want[:4]) < TOL
+
+
+@pytest.mark.parametrize("splits", [1, 4, 16])
+@pytest.mark.parametrize("causal,qps", [(False, 8), (True, 3)])
+def test_mla_output_through_w_uv(causal, qps, splits):
+    """MLA with v_proj (W_UV [H, v, R]): each head's latent-space output through its W_UV, formed in the
+    launch that merges the splits (splits > 1) or in one launch after the attention (splits = 1),
+    equals the attention's output then the per-head product, within the tolerance. Control: W_UV with
+    its heads rolled lands far outside."""
+    lens = [qps + 1, 37, 16, 70]
+    q, cache, table = _case(True, qps, lens)
+    v_dim, v = 32, 16
+    w_uv = (torch.randn(q.shape[1], v, v_dim, generator=torch.Generator().manual_seed(5)) / 4).to(DEV, DTYPE)
+    kv_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    lat = _reference(q, cache, table, lens, qps, causal, v_dim, True).to(DTYPE)
+    want = torch.einsum("thr,hvr->thv", lat.float(), w_uv.float())
+    got = paged_attention(q, cache, table, kv_lens, 0.3, causal, v_dim, True, num_splits=splits, v_proj=w_uv)
+    assert got.shape == (q.shape[0], q.shape[1], v) and got.dtype == q.dtype
+    assert rel(got, want) < TOL
+    rolled = paged_attention(q, cache, table, kv_lens, 0.3, causal, v_dim, True, num_splits=splits,
+                             v_proj=torch.roll(w_uv, 1, 0).contiguous())
+    assert rel(rolled, want) > NEG_MIN
+
+
+def test_w_uv_is_checked():
+    """v_proj must be MLA's W_UV: the message names it; a GQA cache refuses it."""
+    q, cache, table = _case(True, 8, [9, 37])
+    lens = torch.tensor([9, 37], dtype=torch.int32, device=DEV)
+    for bad in (torch.zeros(q.shape[1] + 1, 16, 32), torch.zeros(q.shape[1], 12, 32), torch.zeros(q.shape[1], 32, 16),
+                torch.zeros(q.shape[1], 16, 32, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="v_proj must be MLA's W_UV"):
+            paged_attention(q, cache, table, lens, 0.3, False, 32, True, v_proj=bad.to(DEV))
+    gq, gcache, gtable = _case(False, 2, [5, 9])
+    with pytest.raises(ValueError, match="on a GQA cache"):
+        paged_attention(gq, gcache, gtable, torch.tensor([5, 9], device=DEV), 0.3, True, 32, False,
+                        v_proj=torch.zeros(gq.shape[1], 16, 32, dtype=DTYPE, device=DEV))

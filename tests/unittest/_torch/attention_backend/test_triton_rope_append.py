@@ -11,7 +11,8 @@ foreign slot the kernel refuses. With `HeadNorms` (the drafter's per-head q / k 
 the rotation) q and the cache equal `rms_norm` then the rotation, within the same tolerances; the
 un-normed kernel lands far outside them. The absorbed-MLA form (`mla_rope_append`) gives
 [q_lat | rope(q_pe)] and appends [rms_norm(c_kv) | rope(k_pe)] as the reference append does, with
-the same refusals; controls: shifted tables, no norm. Validation names the argument. GPU: bf16 at SmolLM2's
+the same refusals; controls: shifted tables, no norm. Given W_UK it takes q_nope and forms
+q_lat = q_nope W_UK in the launch (control: W_UK's heads rolled). Validation names the argument. GPU: bf16 at SmolLM2's
 heads, eager and replayed in a CUDA graph, against the same references.
 """
 from __future__ import annotations
@@ -263,12 +264,77 @@ def test_mla_form_names_bad_inputs():
             mla_rope_append(**bad)
 
 
+def _w_uk_case(a, dtype, nope=16, seed=3):
+    """q_nope [T, H, nope] (a view of a wider buffer) and W_UK [H, nope, R] for an `_mla_case`, and the
+    q_lat = q_nope W_UK they stand for (float32 products, rounded to dtype)."""
+    g = torch.Generator().manual_seed(seed)
+    t, heads, rank = a["q_lat"].shape
+    dev = a["kv"].device
+    q_nope = torch.randn(t, heads, nope + 8, generator=g).to(dtype).to(dev)[:, :, :nope]
+    w_uk = (torch.randn(heads, nope, rank, generator=g) / 4).to(dtype).to(dev)
+    return q_nope, w_uk, torch.einsum("thn,hnr->thr", q_nope.float(), w_uk.float()).to(dtype)
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_form_forms_q_nope_w_uk(ragged, dtype):
+    """Given W_UK the launch takes q_nope and forms q_lat = q_nope W_UK per head itself: q and the cache
+    as the q_lat form's, within 4 bf16 ulps. Control: W_UK with its heads rolled is far off."""
+    a, rot, slots = _mla_case(dtype, ragged, rank=32)
+    q_nope, w_uk, q_lat = _w_uk_case(a, dtype)
+    want = _mla_expected(dict(a, q_lat=q_lat), rot)
+    before = _launch_matches(mla_rope_append, dict(a, q_lat=q_nope, w_uk=w_uk), want, slots, dtype, ulps=4)
+    rolled = mla_rope_append(**dict(a, q_lat=q_nope, w_uk=torch.roll(w_uk, 1, 0).contiguous(),
+                                    kv_cache=before.clone()))
+    assert (rolled.float() - want[0].float()).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("t", [40, 300])
+def test_mla_form_over_several_token_blocks(t):
+    """More tokens than one program's block (16; 64 past 256 tokens): every token's q (W_UK formed) and
+    latent, one request owning every slot. Control: the un-normed latent is far from the written one."""
+    rank, rope, heads = 32, 8, 4
+    pages = -(-t // P)
+    g = torch.Generator().manual_seed(11)
+    rot = RotaryEmbedding(rope, 1000.0, 512)
+    cos, sin = rot.cos_sin(torch.arange(t))
+    a = dict(q_lat=torch.zeros(t, heads, rank), q_pe=torch.randn(t, heads, rope, generator=g),
+             kv=3 * torch.randn(t, rank + rope, generator=g), cos=cos, sin=sin,
+             norm_weight=0.25 + 1.5 * torch.rand(rank, generator=g), eps=1e-5,
+             kv_cache=torch.zeros(pages + 1, 1, 1, P, rank + rope), slot_mapping=torch.arange(t),
+             block_tables=torch.arange(pages, dtype=torch.int32)[None], qo_indptr=None, tokens_per_seq=t,
+             refused=torch.zeros(1, dtype=torch.int32))
+    q_nope, w_uk, q_lat = _w_uk_case(a, torch.float32)
+    want_q, want_cache, _ = _mla_expected(dict(a, q_lat=q_lat), rot)
+    out = mla_rope_append(**dict(a, q_lat=q_nope, w_uk=w_uk))
+    _close(out, want_q, torch.float32)
+    _close(a["kv_cache"], want_cache, torch.float32)
+    assert int(a["refused"]) == 0
+    _, plain_cache, _ = _mla_expected(dict(a, q_lat=q_lat), rot, norm=False)
+    assert (plain_cache - want_cache).abs().max() > 1.0
+
+
+def test_w_uk_form_names_bad_inputs():
+    a, _, _ = _mla_case(rank=32)
+    q_nope, w_uk, _ = _w_uk_case(a, torch.float32)
+    for w, q, message in ((w_uk[:3], q_nope, "w_uk must be"), (w_uk.transpose(1, 2), q_nope, "w_uk must be"),
+                          (w_uk.double(), q_nope, "w_uk must be"), (w_uk[:, :8].contiguous(), q_nope[:, :, :8],
+                                                                    "q_nope width 8 must be a power of two >= 16")):
+        with pytest.raises(ValueError, match=message):
+            mla_rope_append(**dict(a, q_lat=q, w_uk=w))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_bf16_mla_form():
+@pytest.mark.parametrize("absorb", [False, True])
+def test_gpu_bf16_mla_form(absorb):
+    """At the MLA drafter's widths (16 heads, nope 64, R 512, rope 64); with W_UK formed in the launch."""
     a, rot, _ = _mla_case(torch.bfloat16, True, heads=16, rank=512, rope=64, dev="cuda")
+    if absorb:
+        q_nope, w_uk, q_lat = _w_uk_case(a, torch.bfloat16, nope=64)
+        a = dict(a, q_lat=q_lat)
     want_q, want_cache, _ = _mla_expected(a, rot)
-    out = mla_rope_append(**a)
+    out = mla_rope_append(**(dict(a, q_lat=q_nope, w_uk=w_uk) if absorb else a))
     _close(out, want_q, torch.bfloat16, ulps=4)
     _close(a["kv_cache"], want_cache, torch.bfloat16, ulps=4)
 

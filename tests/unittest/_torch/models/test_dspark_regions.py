@@ -238,10 +238,10 @@ def _spied_triton(calls: list, drop_norms: bool = False):
         calls.append(args[-1])
         return forward_rope(*args[:-1], None if drop_norms else args[-1])
 
-    def mla(q_lat, q_pe, kv, cos, sin, norm_weight, *rest):
+    def mla(q_lat, q_pe, kv, cos, sin, norm_weight, *rest, **projections):
         calls.append(norm_weight)
         return forward_mla_rope(q_lat, q_pe, kv, cos, sin, torch.ones_like(norm_weight) if drop_norms else norm_weight,
-                                *rest)
+                                *rest, **projections)
     tri.forward_rope, tri.forward_mla_rope = gqa, mla
     return tri
 

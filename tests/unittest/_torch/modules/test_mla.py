@@ -252,3 +252,41 @@ def test_folded_query_equals_q_then_w_uk(q_lora_rank, dtype):
     setattr(fp8, name, FP8BlockLinear.from_linear(getattr(fp8, name), qc))
     with pytest.raises(ValueError, match="plain nn.Linear q projection, got FP8BlockLinear"):
         fp8.fold_query()
+
+
+@pytest.mark.parametrize("fold", [False, True])
+def test_fused_q_and_latent_projection(fold):
+    """`fuse_projections` (no q_lora): the q projection and kv_a_proj_with_mqa become views of one [H (first
+    + rope) + R + rope, hidden] weight (`projection_weights`: (None, None, fused, None)); the module's
+    output is bitwise unchanged; `fold_query` afterwards fuses the folded q rows (q_first_dim R) and
+    after `fold_query` the same. With q_lora nothing fuses. Control: another kv_a weight moves the
+    output beyond 0.1 (the fused GEMM's latent rows are what the cache gets)."""
+    g = torch.Generator().manual_seed(31)
+    paged = Paged([6, 11], blk=4, causal=True, g=g)
+    x_ctx, x_blk = inputs(paged, g)
+    m = make_mla(3)
+    m.post_load_weights()
+    if fold:
+        m.fold_query()
+    want = run_paged(m, paged, torch.cat(x_ctx), x_blk)
+    m.fuse_projections()
+    q_a, q_a_norm, w, kv_a = m.projection_weights()
+    first = R if fold else NOPE
+    assert (q_a, q_a_norm, kv_a) == (None, None, None) and m.q_first_dim == first
+    assert w.shape == (HEADS * (first + ROPE) + R + ROPE, HIDDEN)
+    q_rows = m.w_q_abs if fold else m.q_proj.weight
+    assert q_rows.data_ptr() == w.data_ptr()
+    assert m.kv_a_proj_with_mqa.weight.data_ptr() == w[HEADS * (first + ROPE):].data_ptr()
+    assert torch.equal(run_paged(m, paged, torch.cat(x_ctx), x_blk), want)
+    if not fold:                              # folding after the fusion re-fuses with the folded rows
+        m.fold_query()
+        assert m.projection_weights()[2][:HEADS * (R + ROPE)].data_ptr() == m.w_q_abs.data_ptr()
+        assert m.q_first_dim == R
+    swapped = make_mla(3)
+    swapped.post_load_weights()
+    with torch.no_grad():
+        swapped.kv_a_proj_with_mqa.weight.copy_(swapped.q_proj.weight[:R + ROPE])
+    assert rel_err(run_paged(swapped, paged, torch.cat(x_ctx), x_blk), want) > 0.1
+    lora = make_mla(3, q_lora_rank=24)
+    lora.fuse_projections()
+    assert lora.projection_weights()[3] is lora.kv_a_proj_with_mqa.weight
