@@ -223,8 +223,8 @@ class DSparkForCausalLMBase(nn.Module, ABC):
     def fuse_projections(self) -> None:
         """Inference-time GEMM fusion (GQA q|k|v, MLA q|kv_a without q_lora, gate|up; the parameters
         become views, the state dict keeps its keys), then the eager regions (`use_regions` may give
-        compiled ones); call after the final `.to(device, dtype)`. FP8 block-scaled projections are not fused: with quant_config
-        fc and the layers keep their modules."""
+        compiled ones); call after the final `.to(device, dtype)`. FP8 block-scaled projections are
+        not fused: with quant_config fc and the layers keep their modules."""
         if self.config.quant_config is None:
             for layer in self.layers:
                 layer.self_attn.fuse_projections()
