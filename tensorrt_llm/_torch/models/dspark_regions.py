@@ -19,8 +19,8 @@ The drafter's device step (`DraftGraphRunner.draft_rows`) is, per region::
     output          : o_proj + residual -> norm -> gate|up SwiGLU -> down + residual (the target's region)
     greedy_drafts   : lm_head GEMM -> per draft: + Markov bias of the previous pick -> argmax (propose_greedy;
                       on CUDA the compiled regions run it as Triton launches: `dspark_markov_kernel`)
-    (on CUDA a GQA drafter's gqa_context_kv and its scatter are one Triton launch after the stacked
-    GEMM: `dspark_context_kernel`, `triton_context`)
+    (on CUDA gqa_context_kv / mla_context_latents and the scatter are one Triton launch after the
+    stacked GEMM: `dspark_context_kernel`, `triton_context`)
     draft_addressing: the step's integer work: committed count and anchor per row, context and block
                       positions and slots from the block tables, the block's ids (draft_rows' head)
 
@@ -241,7 +241,7 @@ class DrafterRegions:
     def eager(triton_chain: bool = False, triton_context: bool = False) -> "DrafterRegions":
         """The region functions uncompiled (bitwise the module path); triton_chain (CUDA): the greedy
         drafts' Markov chain as Triton launches (`dspark_markov_kernel`), as in `inductor`;
-        triton_context (CUDA): the GQA draft context write as one Triton launch."""
+        triton_context (CUDA): the draft context write as one Triton launch."""
         drafts = greedy_drafts
         if triton_chain:
             from .dspark_markov_kernel import greedy_drafts_triton
@@ -256,7 +256,7 @@ class DrafterRegions:
         """Every region compiled by inductor (dynamic token count), once per process; the layer
         output is the target's compiled region (`LayerRegions.inductor`). triton_chain (CUDA): the
         greedy drafts' Markov chain runs as n + 1 Triton launches (`dspark_markov_kernel`) instead
-        of three compiled kernels per draft; triton_context (CUDA): the GQA draft context write as
+        of three compiled kernels per draft; triton_context (CUDA): the draft context write as
         one Triton launch (`dspark_context_kernel`)."""
         return _inductor_regions(triton_chain, triton_context)
 

@@ -250,7 +250,7 @@ class DSparkForCausalLMBase(nn.Module, ABC):
 
     def regions_summary(self) -> str:
         """What the drafter runs: "inductor" | "eager" (every region; with " (Markov chain: Triton)" where
-        the regions' `triton_chain` is set and " (context write: Triton)" where a GQA drafter's
+        the regions' `triton_chain` is set and " (context write: Triton)" where their
         `triton_context` is: an engine on CUDA), "modules" (no regions), or the regions' kind with the
         parts that keep their modules."""
         if self.regions is None:
@@ -258,7 +258,7 @@ class DSparkForCausalLMBase(nn.Module, ABC):
         kind = "inductor" if self.regions.compiled else "eager"
         if self.regions.triton_chain:
             kind += " (Markov chain: Triton)"
-        if self.regions.triton_context and not self.config.is_mla:
+        if self.regions.triton_context:
             kind += " (context write: Triton)"
         if self.config.quant_config is not None:
             return f"{kind} (propose only: fc and the layers run their FP8 block-scaled modules)"
@@ -564,10 +564,14 @@ class MLADSparkForCausalLM(DSparkForCausalLMBase):
     def _write_all_layers(self, features: torch.Tensor, positions: torch.Tensor, pool: torch.Tensor,
                           slot_mapping: torch.Tensor, r: DrafterRegions, slots_valid: bool,
                           backend: AttentionBackend) -> None:
+        cw = self._context_weights
+        if r.triton_context and not backend.capabilities.cute_norm_rope:
+            from .dspark_context_kernel import write_mla_context
+            return write_mla_context(F.linear(features, cw.weight), cw.norm_weight, cw.eps, positions,
+                                     *self.rotary.tables(positions.device), pool, slot_mapping)
         if not backend.capabilities.cute_norm_rope:
             return super()._write_all_layers(features, positions, pool, slot_mapping, r, slots_valid, backend)
         from ..attention_backend.cute_norm_rope import norm_rope
-        cw = self._context_weights
         kv = F.linear(features, cw.weight).view(features.shape[0], cw.norm_weight.shape[0], -1)   # [N, L, R + r]
         cos, sin = self.rotary.cos_sin(positions)
         lat = norm_rope(kv, cos[:, 0], sin[:, 0], torch.empty_like(kv), norm_dim=self.config.kv_lora_rank,

@@ -4,8 +4,8 @@ per-layer write (each layer's own region call and write, the path for caches tha
 tensors). CPU, float32: bitwise equal (the stacked GEMM's columns are the layers' own GEMMs'); the
 inductor regions within 1e-4; a weight changed in place after loading is seen; -1 slots are skipped.
 Control: a layer's k_norm / kv_a_layernorm weight x3 changes that layer's entries by > 1e-2.
-A GQA drafter with `triton_context` (CUDA engines; Triton's interpreter here) writes the same pool in
-one launch after the stacked GEMM: within 1e-6 in float32 (bf16 within two ulps of the values'
+A drafter with `triton_context` (CUDA engines; Triton's interpreter here), GQA or MLA, writes the same
+pool in one launch after the stacked GEMM: within 1e-6 in float32 (bf16 within two ulps of the values'
 scale), nothing at the -1 slot, the perturbed norm weight seen; its validation names the argument."""
 from __future__ import annotations
 
@@ -196,3 +196,57 @@ def test_triton_context_write_past_2_31_pool_elements():
     torch.testing.assert_close(got.float(), vals.float(), rtol=2 ** -6, atol=2 ** -6)
     assert torch.count_nonzero(pool[:, :pages - 1]).item() == 0   # nothing landed outside the last page
     assert (got[:, 4].float() - vals[:, 3].float()).abs().max() > 0.1          # control: layers differ
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_mla_context_write_equals_the_regions(dtype):
+    """An MLA drafter with `triton_context`: the latents of every layer in one launch after the stacked
+    kv_a GEMM equal the regions' write (float32 within 1e-6, nothing at the -1 slot; the kernel in bf16
+    against `mla_context_latents` in bf16 within two ulps of the values' scale). Control: layer 1's
+    kv_a_layernorm weight x3 moves layer 1's latents only."""
+    pytest.importorskip("triton")
+    d = _drafter("mla", CPU, torch.float32)
+    want = _write(d, stacked=True)
+    d.use_regions(DrafterRegions.eager(triton_context=True))
+    assert d.regions_summary() == "eager (context write: Triton)"
+    got = _write(d, stacked=True)
+    assert _rel(got, want) < 1e-6 and torch.equal(got == 0, want == 0)
+    if dtype == torch.bfloat16:
+        from tensorrt_llm._torch.attention_backend.interface import write_slots_layers
+        from tensorrt_llm._torch.models.dspark_context_kernel import write_mla_context
+        from tensorrt_llm._torch.models.dspark_regions import mla_context_latents
+        g = torch.Generator().manual_seed(9)
+        cw = d._context_weights
+        feats = torch.randn(SLOTS.numel(), cw.weight.shape[1], generator=g).to(dtype)
+        w, nw = cw.weight.to(dtype), cw.norm_weight.to(dtype)
+        pos = torch.arange(7, 7 + SLOTS.numel())
+        spec = draft_kv_cache_spec(d, dtype)
+        ref, out = (torch.zeros((spec.num_layers,) + spec.layer_shape(PAGES, P), dtype=dtype) for _ in range(2))
+        cos_t, sin_t = d.rotary.tables(CPU)
+        lat = mla_context_latents(feats, w, nw, cw.eps, pos, cos_t, sin_t, False, d.config.kv_lora_rank)
+        write_slots_layers(ref, lat[:, :, None, None, :], SLOTS)
+        write_mla_context(torch.nn.functional.linear(feats, w), nw, cw.eps, pos, cos_t, sin_t, out, SLOTS)
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -6, atol=2 ** -6)
+    with torch.no_grad():
+        d.layers[1].self_attn.kv_a_layernorm.weight.mul_(3.0)
+    bad = _write(d, stacked=True)
+    assert _rel(bad[1], want[1]) > 1e-2 and _rel(bad[0], want[0]) < 1e-6
+
+
+def test_triton_mla_context_write_names_bad_arguments():
+    pytest.importorskip("triton")
+    from tensorrt_llm._torch.models.dspark_context_kernel import write_mla_context
+    layers, rank, rope = 2, 16, 8
+    pool = torch.zeros(layers, PAGES, 1, 1, P, rank + rope)
+    kv, nw = torch.zeros(3, layers * (rank + rope)), torch.ones(layers, rank)
+    pos, slots, tab = torch.arange(3), torch.tensor([0, 1, -1]), torch.zeros(8, rope)
+    ok = dict(kv=kv, norm_weight=nw, eps=1e-5, positions=pos, cos_t=tab, sin_t=tab, pool=pool, slot_mapping=slots)
+    write_mla_context(**ok)
+    for change, message in ((dict(pool=pool.expand(layers, PAGES, 2, 1, P, rank + rope)), "pool must be"),
+                            (dict(kv=kv[:, :-1]), "kv must be"), (dict(norm_weight=nw[:1]), "norm_weight must be"),
+                            (dict(norm_weight=torch.ones(layers, 12)), "kv_lora_rank 12 must be a power of two"),
+                            (dict(eps=0.0), "eps must be"), (dict(cos_t=tab[:, :4]), "cos_t must be"),
+                            (dict(slot_mapping=slots.int()), "slot_mapping must be"),
+                            (dict(pool=pool.transpose(4, 5)), "pool layers must be contiguous")):
+        with pytest.raises(ValueError, match=message):
+            write_mla_context(**{**ok, **change})
