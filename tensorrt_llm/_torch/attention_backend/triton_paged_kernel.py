@@ -139,45 +139,21 @@ def _merge_splits_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, stride_ot, stride_oh, n
 
 
 @triton.jit
-def _mla_value_proj_kernel(ws_acc_ptr, ws_ml_ptr, lat_ptr, stride_lt, stride_lh, wuv_ptr, out_ptr, stride_ot,
-                           stride_oh, n_tok, n_heads, R: tl.constexpr, V: tl.constexpr, SPLIT: tl.constexpr,
-                           MERGE: tl.constexpr, BT: tl.constexpr, RC: tl.constexpr, F32_DOT: tl.constexpr):
-    """Program (token block tb, head h): out[t, h] = o_lat[t, h] W_UV[h]^T for the block's tokens, o_lat
-    [BT, R] rounded to W_UV's dtype as the attention's output would be; with MERGE o_lat is the merge
-    of the SPLIT partials (as `_merge_splits_kernel`), else read from lat_ptr. F32_DOT: the dot's operands
+def _mla_value_proj_kernel(lat_ptr, stride_lt, stride_lh, wuv_ptr, out_ptr, stride_ot, stride_oh, n_tok,
+                           R: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, RC: tl.constexpr, VC: tl.constexpr,
+                           F32_DOT: tl.constexpr):
+    """Program (token block, head h, value block): out[t, h, vb] = o_lat[t, h] W_UV[h, vb]^T for the block's
+    tokens (o_lat [BT, R], the attention's output; float32 accumulation). F32_DOT: the dot's operands
     in float32 (the CPU interpreter, whose 16-bit dot is wrong)."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     h = tl.program_id(1)
+    v = tl.program_id(2) * VC + tl.arange(0, VC)
     ok = t < n_tok
-    if MERGE:
-        m_max = tl.full([BT], float("-inf"), tl.float32)
-        for s in tl.static_range(SPLIT):
-            m_max = tl.maximum(m_max, tl.load(ws_ml_ptr + ((s * n_tok + t) * n_heads + h) * 2, mask=ok,
-                                              other=float("-inf")))
-        denom = tl.zeros([BT], tl.float32)
-        for s in tl.static_range(SPLIT):
-            at = (s * n_tok + t) * n_heads + h
-            m = tl.load(ws_ml_ptr + at * 2, mask=ok, other=float("-inf"))
-            empty = m == float("-inf")
-            w = tl.where(empty, 0.0, tl.exp(tl.where(empty, m_max, m) - m_max))
-            denom += w * tl.load(ws_ml_ptr + at * 2 + 1, mask=ok, other=0.0)
-    v = tl.arange(0, V)
-    out = tl.zeros([BT, V], tl.float32)
+    out = tl.zeros([BT, VC], tl.float32)
     for r0 in tl.static_range(0, R, RC):
         rc = r0 + tl.arange(0, RC)
-        if MERGE:
-            lat = tl.zeros([BT, RC], tl.float32)
-            for s in tl.static_range(SPLIT):
-                at = (s * n_tok + t) * n_heads + h
-                m = tl.load(ws_ml_ptr + at * 2, mask=ok, other=float("-inf"))
-                empty = m == float("-inf")
-                w = tl.where(empty, 0.0, tl.exp(tl.where(empty, m_max, m) - m_max))
-                lat += w[:, None] * tl.load(ws_acc_ptr + at[:, None] * R + rc[None, :], mask=ok[:, None], other=0.0)
-            lat = lat / denom[:, None]
-        else:
-            lat = tl.load(lat_ptr + t[:, None] * stride_lt + h * stride_lh + rc[None, :], mask=ok[:, None], other=0.0)
-        w_t = tl.load(wuv_ptr + h * (V * R) + v[None, :] * R + rc[:, None])          # W_UV[h]^T [RC, V]
-        lat = lat.to(out_ptr.dtype.element_ty).to(w_t.dtype)
+        lat = tl.load(lat_ptr + t[:, None] * stride_lt + h * stride_lh + rc[None, :], mask=ok[:, None], other=0.0)
+        w_t = tl.load(wuv_ptr + h * (V * R) + v[None, :] * R + rc[:, None])          # W_UV[h, vb]^T [RC, VC]
         if F32_DOT:
             lat, w_t = lat.to(tl.float32), w_t.to(tl.float32)
         out += tl.dot(lat, w_t)
@@ -290,8 +266,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     a real page of it, and kv_lens[b] >= its query rows.
 
     MLA with v_proj (W_UV [Hq, v, v_dim] contiguous, q's dtype): the output [T, Hq, v] is each head's
-    latent-space output through W_UV, formed in the launch that merges the splits (one launch more
-    without splits) instead of a batched GEMM and its layout copies afterwards.
+    latent-space output through W_UV, formed by one launch after the attention (`mla_value_projection`)
+    instead of a batched GEMM and its layout copies.
     """
     b = kv_lens.shape[0]
     t, hq, dqk = q.shape
@@ -343,33 +319,31 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         out, out.stride(0), out.stride(1), float(scale), qps, ws_acc, ws_ml, t, hq, G=g, DV=v_dim, DR=dr,
         K_PLANE=0, V_PLANE=0 if mla else 1, PAGE=page_size, BLOCK_M=cfg.block_m, CAUSAL=causal, RAGGED=ragged,
         SPLIT=splits, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if v_proj is not None:
-        return mla_value_projection(out, ws_acc, ws_ml, splits, v_proj)
     if splits > 1:
         _merge_splits_kernel[(t, hq)](ws_acc, ws_ml, out, out.stride(0), out.stride(1), t, hq, DV=v_dim,
                                       SPLIT=splits, num_warps=4)
-    return out
+    return out if v_proj is None else mla_value_projection(out, v_proj)
 
 
 def mla_block_tokens(n_tok: int) -> int:
     """Tokens per program of the absorbed-MLA launches that take one head's rows as a matrix (the W_UK
-    product here, W_UV in `triton_paged_kernel.mla_value_projection`): 16, or 64 past 256 tokens so a
-    large batch reads each head's weight fewer times."""
+    product in `triton_rope_append.mla_rope_append`, W_UV in `mla_value_projection`): 16, or 64 past
+    256 tokens so a large batch reads each head's weight fewer times."""
     return 16 if n_tok <= 256 else 64
 
 
-def mla_value_projection(lat: torch.Tensor, ws_acc: torch.Tensor, ws_ml: torch.Tensor, splits: int,
-                         w_uv: torch.Tensor) -> torch.Tensor:
-    """[T, H, v] = o_lat W_UV^T per head, one launch: o_lat the merge of `splits` partials (ws_acc [S, T,
-    H, R] float32, ws_ml [S, T, H, 2]) when splits > 1, else lat [T, H, R] (the attention's output).
-    w_uv [H, v, R]."""
+def mla_value_projection(lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """lat [T, H, R] (the attention's latent-space output, any token / head strides, contiguous dims),
+    w_uv [H, v, R] -> [T, H, v] = lat W_UV^T per head, one launch (programs per token block, head and,
+    up to 256 tokens, 16-wide value block: a small batch still spreads over the GPU)."""
     t, hq, rank = lat.shape
     v = w_uv.shape[1]
     out = torch.empty(t, hq, v, dtype=lat.dtype, device=lat.device)
     if t == 0:
         return out
     bt = mla_block_tokens(t)
-    _mla_value_proj_kernel[(triton.cdiv(t, bt), hq)](
-        ws_acc, ws_ml, lat, lat.stride(0), lat.stride(1), w_uv, out, out.stride(0), out.stride(1), t, hq, R=rank,
-        V=v, SPLIT=splits, MERGE=splits > 1, BT=bt, RC=min(rank, 128), F32_DOT=lat.device.type != "cuda", num_warps=4)
+    vc = 16 if t <= 256 else v
+    _mla_value_proj_kernel[(triton.cdiv(t, bt), hq, v // vc)](
+        lat, lat.stride(0), lat.stride(1), w_uv, out, out.stride(0), out.stride(1), t, R=rank, V=v, BT=bt,
+        RC=min(rank, 128), VC=vc, F32_DOT=lat.device.type != "cuda", num_warps=4)
     return out

@@ -13,7 +13,7 @@ rounded again: `modules.rms_norm`'s order). The absorbed-MLA form (`mla_rope_app
 drafter's layers) builds q_out[t] = [q_lat[t] | rope(q_pe[t])] and appends the latent
 [rms_norm(c_kv[t]) | rope(k_pe[t])] as the cache's one plane; given W_UK it forms q_lat[t] = q_nope[t]
 W_UK itself (one dot per head and block of tokens), so the layer needs no batched GEMM and layout
-copies for it. Its programs are (token block, head) plus one per token block for the appends.
+copies for it. Its programs are (token block, head) plus one per token for the appends.
 
 The write is bounded as `paged_append.py`'s op: a slot of -1 is skipped; a slot whose page is not
 in its request's block-table row (or is outside the pool) is refused, never written, and counted
@@ -125,7 +125,7 @@ def _mla_rope_append_kernel(qf_ptr, stride_qft, stride_qfh, wuk_ptr, qp_ptr, str
                             RAGGED: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_B: tl.constexpr,
                             F32_DOT: tl.constexpr):
     """Program (token block tb, h): h < H builds head h's q rows of tokens tb*BT.. (q_nope W_UK[h] by
-    one dot with ABSORB, else q_lat copied; then rope(q_pe)); h == H appends the block's latents.
+    one dot with ABSORB, else q_lat copied; then rope(q_pe)); h = H + i appends token tb*BT + i's latent.
     F32_DOT: the dot's operands in float32 (the CPU interpreter, whose 16-bit dot is wrong)."""
     tb = tl.program_id(0)
     h = tl.program_id(1)
@@ -158,16 +158,14 @@ def _mla_rope_append_kernel(qf_ptr, stride_qft, stride_qfh, wuk_ptr, qp_ptr, str
         x = tl.load(qp + d[None, :], mask=tok, other=0.0).to(tl.float32)
         xs = tl.load(qp + dsw[None, :], mask=tok, other=0.0).to(tl.float32)
         tl.store(row + R + d[None, :], (x * cos + xs * sin).to(dt), mask=tok)
-    else:
-        r = tl.arange(0, R)
-        d = tl.arange(0, DR)
-        dsw = (d + DR // 2) % DR
-        for i in range(BT):
-            ti = tb * BT + i
-            if ti < n_tok:
-                _mla_append_one(ti, kv_ptr, stride_kvt, cos_ptr, stride_cos, sin_ptr, stride_sin, norm_ptr, eps,
-                                cache_ptr, stride_cp, slots_ptr, bt_ptr, stride_bt, width, qo_ptr, n_req, qps, pages,
-                                refused_ptr, r, d, dsw, R, DR, PAGE, RAGGED, BLOCK_W, BLOCK_B)
+    else:                  # one program per token of the block: the appends' dependent loads in parallel
+        ti = tb * BT + h - H
+        if ti < n_tok:
+            r = tl.arange(0, R)
+            d = tl.arange(0, DR)
+            _mla_append_one(ti, kv_ptr, stride_kvt, cos_ptr, stride_cos, sin_ptr, stride_sin, norm_ptr, eps,
+                            cache_ptr, stride_cp, slots_ptr, bt_ptr, stride_bt, width, qo_ptr, n_req, qps, pages,
+                            refused_ptr, r, d, (d + DR // 2) % DR, R, DR, PAGE, RAGGED, BLOCK_W, BLOCK_B)
 
 
 @triton.jit
@@ -250,7 +248,7 @@ def mla_rope_append(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, c
     if t_n == 0:
         return out
     w, bt = block_tables.shape[1], mla_block_tokens(t_n)
-    _mla_rope_append_kernel[(triton.cdiv(t_n, bt), heads + 1)](
+    _mla_rope_append_kernel[(triton.cdiv(t_n, bt), heads + bt)](
         q_lat, q_lat.stride(0), q_lat.stride(1), q_lat if w_uk is None else w_uk, q_pe, q_pe.stride(0),
         q_pe.stride(1), kv, kv.stride(0), cos, cos.stride(0), sin, sin.stride(0), norm_weight, float(eps), out,
         kv_cache, kv_cache.stride(0), slot_mapping, block_tables, block_tables.stride(0), w,

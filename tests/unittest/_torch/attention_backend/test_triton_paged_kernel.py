@@ -1,7 +1,7 @@
 """Plan-free paged attention (Triton, lengths read on the device) against the VANILLA reference
 (`paged_sdpa`, host metadata): GQA causal (verify rows), GQA non-causal (a draft block) and
-absorbed MLA, over shuffled pages and uneven lengths; MLA's output through W_UV in the merge
-launch. Negative controls: a length off by one page, another request's table row and W_UV with its
+absorbed MLA, over shuffled pages and uneven lengths; MLA's output through W_UV in one launch
+after it. Negative controls: a length off by one page, another request's table row and W_UV with its
 heads rolled land far outside the tolerance; bad shapes raise.
 
 Runs on the GPU (bf16; marked `gpu` there) and, without one, in Triton's interpreter on the CPU
@@ -233,9 +233,9 @@ def test_unallocated_pages_are_never_read():
 @pytest.mark.parametrize("splits", [1, 4, 16])
 @pytest.mark.parametrize("causal,qps", [(False, 8), (True, 3)])
 def test_mla_output_through_w_uv(causal, qps, splits):
-    """MLA with v_proj (W_UV [H, v, R]): each head's latent-space output through its W_UV, formed in the
-    launch that merges the splits (splits > 1) or in one launch after the attention (splits = 1),
-    equals the attention's output then the per-head product, within the tolerance. Control: W_UV with
+    """MLA with v_proj (W_UV [H, v, R]): each head's latent-space output through its W_UV, formed in one
+    launch after the attention (and the merge of its splits), equals the attention's output then the
+    per-head product, within the tolerance. Control: W_UV with
     its heads rolled lands far outside."""
     lens = [qps + 1, 37, 16, 70]
     q, cache, table = _case(True, qps, lens)
