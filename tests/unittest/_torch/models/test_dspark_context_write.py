@@ -89,14 +89,19 @@ def test_stacked_layers_only_for_equally_spaced_views():
     assert stacked_layers([pool[0], pool[1, :2]]) is None                      # shapes differ
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_context_write_equals_the_regions(dtype):
+def _regions_then_triton(kind: str):
+    """(drafter, the stacked pool written by its regions, the same written with `triton_context`)."""
     pytest.importorskip("triton")
-    d = _drafter("gqa", CPU, torch.float32)
+    d = _drafter(kind, CPU, torch.float32)
     want = _write(d, stacked=True)
     d.use_regions(DrafterRegions.eager(triton_context=True))
     assert d.regions_summary() == "eager (context write: Triton)"
-    got = _write(d, stacked=True)
+    return d, want, _write(d, stacked=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_context_write_equals_the_regions(dtype):
+    d, want, got = _regions_then_triton("gqa")
     assert _rel(got, want) < 1e-6
     assert torch.equal(got == 0, want == 0)                   # the same cells written, the -1 slot not
     if dtype == torch.bfloat16:           # the kernel itself in bf16 against the region in bf16
@@ -204,12 +209,7 @@ def test_triton_mla_context_write_equals_the_regions(dtype):
     kv_a GEMM equal the regions' write (float32 within 1e-6, nothing at the -1 slot; the kernel in bf16
     against `mla_context_latents` in bf16 within two ulps of the values' scale). Control: layer 1's
     kv_a_layernorm weight x3 moves layer 1's latents only."""
-    pytest.importorskip("triton")
-    d = _drafter("mla", CPU, torch.float32)
-    want = _write(d, stacked=True)
-    d.use_regions(DrafterRegions.eager(triton_context=True))
-    assert d.regions_summary() == "eager (context write: Triton)"
-    got = _write(d, stacked=True)
+    d, want, got = _regions_then_triton("mla")
     assert _rel(got, want) < 1e-6 and torch.equal(got == 0, want == 0)
     if dtype == torch.bfloat16:
         from tensorrt_llm._torch.attention_backend.interface import write_slots_layers
