@@ -320,25 +320,33 @@ def mla_unfolded(tiny_llama_dir, drafters):
                 speculative_config=_spec(drafters["mla"]))
 
 
+def _folded_run_equals(tiny_llama_dir, drafters, baseline, mla_unfolded, **folds) -> list:
+    """Serve PROMPTS with the MLA drafter folded as `folds` say: greedy output equals no-spec's and the
+    unfolded drafter's, and so do its accept statistics; the first fold option on a GQA drafter is
+    refused at load. Returns the folded drafter's layers."""
+    plain, s_plain = mla_unfolded
+    with LLM(str(tiny_llama_dir), device="cpu", kv_cache_config={"max_tokens": 4096, "tokens_per_block": 16},
+             speculative_config=_spec(drafters["mla"], **folds)) as llm:
+        layers = list(llm._executor.drafter.drafter.layers)
+        toks = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=20, ignore_eos=True))]
+        stats = llm.get_stats()
+    assert toks == baseline == plain
+    assert stats["speculative"]["accept_histogram"] == s_plain["speculative"]["accept_histogram"]
+    option = next(iter(folds))
+    with pytest.raises(ValueError, match=f"{option} folds an MLA drafter"):
+        LLM(str(tiny_llama_dir), device="cpu", kv_cache_config={"max_tokens": 512},
+            speculative_config=_spec(drafters["gqa"], **{option: True}))
+    return layers
+
+
 def test_mla_fold_output_is_lossless_and_refused_for_gqa(tiny_llama_dir, drafters, baseline, mla_unfolded):
     """`mla_fold_output`: every layer of the MLA drafter takes its latent attention output through the
     folded [hidden, H * R] weight; greedy output equals no-spec's and the unfolded drafter's accept
     statistics (float32 on the CPU: the same drafts). A GQA drafter with it is refused at load."""
-    params = SamplingParams(max_tokens=20, ignore_eos=True)
-    plain, s_plain = mla_unfolded
-    with LLM(str(tiny_llama_dir), device="cpu", kv_cache_config={"max_tokens": 4096, "tokens_per_block": 16},
-             speculative_config=_spec(drafters["mla"], mla_fold_output=True)) as llm:
-        layers = llm._executor.drafter.drafter.layers
-        r = layers[0].self_attn
-        assert all(layer.self_attn.w_o_abs is not None for layer in layers)
-        assert r.output_weight().shape == (r.o_proj.weight.shape[0], r.num_heads * r.kv_lora_rank)
-        toks = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
-        stats = llm.get_stats()
-    assert toks == baseline == plain
-    assert stats["speculative"]["accept_histogram"] == s_plain["speculative"]["accept_histogram"]
-    with pytest.raises(ValueError, match="mla_fold_output folds an MLA drafter"):
-        LLM(str(tiny_llama_dir), device="cpu", kv_cache_config={"max_tokens": 512},
-            speculative_config=_spec(drafters["gqa"], mla_fold_output=True))
+    layers = _folded_run_equals(tiny_llama_dir, drafters, baseline, mla_unfolded, mla_fold_output=True)
+    r = layers[0].self_attn
+    assert all(layer.self_attn.w_o_abs is not None for layer in layers)
+    assert r.output_weight().shape == (r.o_proj.weight.shape[0], r.num_heads * r.kv_lora_rank)
 
 
 @pytest.mark.parametrize("both", [False, True], ids=["query", "query+output"])
@@ -347,18 +355,9 @@ def test_mla_fold_query_is_lossless_and_refused_for_gqa(tiny_llama_dir, drafters
     absorbed q [q_nope W_UK | q_pe] from the one folded [H (R + rope), hidden] GEMM; greedy output equals
     no-spec's and the unfolded drafter's accept statistics (float32 on the CPU: the same drafts). A GQA
     drafter with it is refused at load."""
-    params = SamplingParams(max_tokens=20, ignore_eos=True)
-    plain, s_plain = mla_unfolded
-    with LLM(str(tiny_llama_dir), device="cpu", kv_cache_config={"max_tokens": 4096, "tokens_per_block": 16},
-             speculative_config=_spec(drafters["mla"], mla_fold_query=True, mla_fold_output=both)) as llm:
-        attns = [layer.self_attn for layer in llm._executor.drafter.drafter.layers]
-        r = attns[0]
-        assert all(a.q_weights()[3] is None and (a.w_o_abs is not None) == both for a in attns)
-        assert r.q_weights()[2].shape == (r.num_heads * r.latent_dim, r.q_proj.weight.shape[1])
-        toks = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
-        stats = llm.get_stats()
-    assert toks == baseline == plain
-    assert stats["speculative"]["accept_histogram"] == s_plain["speculative"]["accept_histogram"]
-    with pytest.raises(ValueError, match="mla_fold_query folds an MLA drafter"):
-        LLM(str(tiny_llama_dir), device="cpu", kv_cache_config={"max_tokens": 512},
-            speculative_config=_spec(drafters["gqa"], mla_fold_query=True))
+    layers = _folded_run_equals(tiny_llama_dir, drafters, baseline, mla_unfolded, mla_fold_query=True,
+                                mla_fold_output=both)
+    attns = [layer.self_attn for layer in layers]
+    r = attns[0]
+    assert all(a.q_weights()[3] is None and (a.w_o_abs is not None) == both for a in attns)
+    assert r.q_weights()[2].shape == (r.num_heads * r.latent_dim, r.q_proj.weight.shape[1])
