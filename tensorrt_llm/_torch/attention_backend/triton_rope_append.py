@@ -161,16 +161,14 @@ def _mla_rope_append_kernel(qf_ptr, stride_qft, stride_qfh, wuk_ptr, qp_ptr, str
     else:                  # one program per token of the block: the appends' dependent loads in parallel
         ti = tb * BT + h - H
         if ti < n_tok:
-            r = tl.arange(0, R)
-            d = tl.arange(0, DR)
             _mla_append_one(ti, kv_ptr, stride_kvt, cos_ptr, stride_cos, sin_ptr, stride_sin, norm_ptr, eps,
                             cache_ptr, stride_cp, slots_ptr, bt_ptr, stride_bt, width, qo_ptr, n_req, qps, pages,
-                            refused_ptr, r, d, (d + DR // 2) % DR, R, DR, PAGE, RAGGED, BLOCK_W, BLOCK_B)
+                            refused_ptr, R, DR, PAGE, RAGGED, BLOCK_W, BLOCK_B)
 
 
 @triton.jit
 def _mla_append_one(t, kv_ptr, stride_kvt, cos_ptr, stride_cos, sin_ptr, stride_sin, norm_ptr, eps, cache_ptr,
-                    stride_cp, slots_ptr, bt_ptr, stride_bt, width, qo_ptr, n_req, qps, pages, refused_ptr, r, d, dsw,
+                    stride_cp, slots_ptr, bt_ptr, stride_bt, width, qo_ptr, n_req, qps, pages, refused_ptr,
                     R: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr, RAGGED: tl.constexpr,
                     BLOCK_W: tl.constexpr, BLOCK_B: tl.constexpr):
     """Token t's latent [rms_norm(c_kv) | rope(k_pe)] into its slot, if its request owns the page."""
@@ -179,6 +177,9 @@ def _mla_append_one(t, kv_ptr, stride_kvt, cos_ptr, stride_cos, sin_ptr, stride_
         page = slot // PAGE
         if _owns(t, page, bt_ptr, stride_bt, width, qo_ptr, n_req, qps, pages, RAGGED, BLOCK_W, BLOCK_B):
             dt = cache_ptr.dtype.element_ty
+            r = tl.arange(0, R)
+            d = tl.arange(0, DR)
+            dsw = (d + DR // 2) % DR
             c = tl.load(kv_ptr + t * stride_kvt + r).to(tl.float32)
             w = tl.load(norm_ptr + r).to(tl.float32)
             c = (c * tl.rsqrt(tl.sum(c * c, axis=0) / R + eps)).to(kv_ptr.dtype.element_ty).to(tl.float32) * w
