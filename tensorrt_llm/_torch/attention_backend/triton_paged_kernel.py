@@ -120,9 +120,12 @@ def _paged_attention_kernel(q_ptr, stride_qt, stride_qh, cache_ptr, stride_cp, s
 
 
 @triton.jit
-def _merge_splits_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, stride_ot, stride_oh, n_tok, n_heads,
-                         DV: tl.constexpr, SPLIT: tl.constexpr):
-    """One program per (token, head): out = sum_s w_s acc_s / sum_s w_s l_s, w_s = exp(m_s - max m)."""
+def _merge_splits_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, stride_ot, stride_oh, n_tok, n_heads, wuv_ptr,
+                         DV: tl.constexpr, SPLIT: tl.constexpr, V: tl.constexpr, VC: tl.constexpr):
+    """One program per (token, head): out = sum_s w_s acc_s / sum_s w_s l_s, w_s = exp(m_s - max m).
+    V > 0 (MLA with W_UV): the merged latent-space row, rounded to the output dtype as the attention's
+    output is, goes through the head's W_UV [V, DV] (float32 sums, VC rows of it at a time) and the
+    program stores the [V] value-space row instead."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, SPLIT)
@@ -135,7 +138,15 @@ def _merge_splits_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, stride_ot, stride_oh, n
     d = tl.arange(0, DV)
     acc = tl.load(ws_acc_ptr + at[:, None] * DV + d[None, :])
     out = tl.sum(acc * w[:, None], 0) / tl.sum(w * l, 0)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+    dt = out_ptr.dtype.element_ty
+    if V == 0:
+        tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(dt))
+    else:
+        lat = out.to(dt).to(tl.float32)
+        for v0 in tl.static_range(0, V, VC):
+            v = v0 + tl.arange(0, VC)
+            w_uv = tl.load(wuv_ptr + h * (V * DV) + v[:, None] * DV + d[None, :]).to(tl.float32)
+            tl.store(out_ptr + t * stride_ot + h * stride_oh + v, tl.sum(w_uv * lat[None, :], 1).to(dt))
 
 
 @triton.jit
@@ -266,8 +277,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     a real page of it, and kv_lens[b] >= its query rows.
 
     MLA with v_proj (W_UV [Hq, v, v_dim] contiguous, q's dtype): the output [T, Hq, v] is each head's
-    latent-space output through W_UV, formed by one launch after the attention (`mla_value_projection`)
-    instead of a batched GEMM and its layout copies.
+    latent-space output through W_UV, formed by the split merge where the KV is split (a small batch),
+    else by one launch after the attention (`mla_value_projection`), instead of a batched GEMM and its
+    layout copies.
     """
     b = kv_lens.shape[0]
     t, hq, dqk = q.shape
@@ -303,11 +315,12 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     cfg = config or launch_config(b * hkv, qps * g, page_size, dqk, q.element_size(), mla, q.device)
     if cfg.block_m < 16 or cfg.block_m & (cfg.block_m - 1) or cfg.num_warps < 1 or cfg.num_stages < 1:
         raise ValueError(f"config needs a power-of-two block_m >= 16 and positive warps and stages, got {cfg}")
-    out = torch.empty(t, hq, v_dim, dtype=q.dtype, device=q.device)
     row_blocks = triton.cdiv(qps * g, cfg.block_m)
     splits = default_num_splits(b * hkv * row_blocks, q.device) if num_splits is None else num_splits
     if splits < 1 or splits > MAX_SPLITS or splits & (splits - 1):
         raise ValueError(f"num_splits must be a power of two in [1, {MAX_SPLITS}], got {splits}")
+    merged_proj = splits > 1 and v_proj is not None     # the split merge takes the rows through W_UV
+    out = torch.empty(t, hq, v_proj.shape[1] if merged_proj else v_dim, dtype=q.dtype, device=q.device)
     if splits > 1:
         ws_acc = torch.empty(splits, t, hq, v_dim, dtype=torch.float32, device=q.device)
         ws_ml = torch.empty(splits, t, hq, 2, dtype=torch.float32, device=q.device)
@@ -320,9 +333,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         K_PLANE=0, V_PLANE=0 if mla else 1, PAGE=page_size, BLOCK_M=cfg.block_m, CAUSAL=causal, RAGGED=ragged,
         SPLIT=splits, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
-        _merge_splits_kernel[(t, hq)](ws_acc, ws_ml, out, out.stride(0), out.stride(1), t, hq, DV=v_dim,
-                                      SPLIT=splits, num_warps=4)
-    return out if v_proj is None else mla_value_projection(out, v_proj)
+        _merge_splits_kernel[(t, hq)](ws_acc, ws_ml, out, out.stride(0), out.stride(1), t, hq,
+                                      v_proj if merged_proj else out, DV=v_dim, SPLIT=splits,
+                                      V=v_proj.shape[1] if merged_proj else 0, VC=16, num_warps=4)
+    return out if v_proj is None or merged_proj else mla_value_projection(out, v_proj)
 
 
 def mla_block_tokens(n_tok: int) -> int:

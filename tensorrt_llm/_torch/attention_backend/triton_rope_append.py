@@ -12,8 +12,9 @@ over each head (float32 statistics; the normed value rounded to x's dtype, times
 rounded again: `modules.rms_norm`'s order). The absorbed-MLA form (`mla_rope_append`, the MLA
 drafter's layers) builds q_out[t] = [q_lat[t] | rope(q_pe[t])] and appends the latent
 [rms_norm(c_kv[t]) | rope(k_pe[t])] as the cache's one plane; given W_UK it forms q_lat[t] = q_nope[t]
-W_UK itself (one dot per head and block of tokens), so the layer needs no batched GEMM and layout
-copies for it. Its programs are (token block, head) plus one per token for the appends.
+W_UK itself (one dot per head, 128-wide column chunk and block of tokens), so the layer needs no batched
+GEMM and layout copies for it. Its programs are (token block, head x column chunk) plus one per token for
+the appends.
 
 The write is bounded as `paged_append.py`'s op: a slot of -1 is skipped; a slot whose page is not
 in its request's block-table row (or is outside the pool) is refused, never written, and counted
@@ -121,45 +122,44 @@ def _mla_rope_append_kernel(qf_ptr, stride_qft, stride_qfh, wuk_ptr, qp_ptr, str
                             cos_ptr, stride_cos, sin_ptr, stride_sin, norm_ptr, eps, out_ptr, cache_ptr, stride_cp,
                             slots_ptr, bt_ptr, stride_bt, width, qo_ptr, n_req, qps, pages, refused_ptr, n_tok,
                             H: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, NOPE: tl.constexpr,
-                            ABSORB: tl.constexpr, BT: tl.constexpr, RC: tl.constexpr, PAGE: tl.constexpr,
+                            ABSORB: tl.constexpr, BT: tl.constexpr, RC: tl.constexpr, NC: tl.constexpr,
+                            PAGE: tl.constexpr,
                             RAGGED: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_B: tl.constexpr,
                             F32_DOT: tl.constexpr):
-    """Program (token block tb, h): h < H builds head h's q rows of tokens tb*BT.. (q_nope W_UK[h] by
-    one dot with ABSORB, else q_lat copied; then rope(q_pe)); h = H + i appends token tb*BT + i's latent.
+    """Program (token block tb, h): h < H * NC builds columns c*RC.. (c = h % NC) of head h // NC's q rows
+    of tokens tb*BT.. (q_nope W_UK[head] by one dot with ABSORB, else q_lat copied; c = 0 also rope(q_pe)),
+    so the R-wide product spreads over NC programs per head; h = H * NC + i appends token tb*BT + i's latent.
     F32_DOT: the dot's operands in float32 (the CPU interpreter, whose 16-bit dot is wrong)."""
     tb = tl.program_id(0)
     h = tl.program_id(1)
     t = tb * BT + tl.arange(0, BT)
     tok = (t < n_tok)[:, None]
-    if h < H:
+    if h < H * NC:
         dt = out_ptr.dtype.element_ty
-        row = out_ptr + t[:, None] * (H * (R + DR)) + h * (R + DR)
-        qf = qf_ptr + t[:, None] * stride_qft + h * stride_qfh
-        if ABSORB:     # q_lat = q_nope [BT, NOPE] @ W_UK[h] [NOPE, R], float32 accumulation
+        head = h // NC
+        rc = (h % NC) * RC + tl.arange(0, RC)
+        row = out_ptr + t[:, None] * (H * (R + DR)) + head * (R + DR)
+        qf = qf_ptr + t[:, None] * stride_qft + head * stride_qfh
+        if ABSORB:     # q_lat[:, rc] = q_nope [BT, NOPE] @ W_UK[head][:, rc], float32 accumulation
             n = tl.arange(0, NOPE)
             q_nope = tl.load(qf + n[None, :], mask=tok, other=0.0)
+            w = tl.load(wuk_ptr + head * (NOPE * R) + n[:, None] * R + rc[None, :])
             if F32_DOT:
-                q_nope = q_nope.to(tl.float32)
-            for r0 in tl.static_range(0, R, RC):
-                rc = r0 + tl.arange(0, RC)
-                w = tl.load(wuk_ptr + h * (NOPE * R) + n[:, None] * R + rc[None, :])
-                if F32_DOT:
-                    w = w.to(tl.float32)
-                tl.store(row + rc[None, :], tl.dot(q_nope, w).to(dt), mask=tok)
+                q_nope, w = q_nope.to(tl.float32), w.to(tl.float32)
+            tl.store(row + rc[None, :], tl.dot(q_nope, w).to(dt), mask=tok)
         else:
-            for r0 in tl.static_range(0, R, RC):
-                rc = r0 + tl.arange(0, RC)
-                tl.store(row + rc[None, :], tl.load(qf + rc[None, :], mask=tok, other=0.0).to(dt), mask=tok)
-        d = tl.arange(0, DR)
-        dsw = (d + DR // 2) % DR
-        cos = tl.load(cos_ptr + t[:, None] * stride_cos + d[None, :], mask=tok, other=0.0)
-        sin = tl.load(sin_ptr + t[:, None] * stride_sin + d[None, :], mask=tok, other=0.0)
-        qp = qp_ptr + t[:, None] * stride_qpt + h * stride_qph
-        x = tl.load(qp + d[None, :], mask=tok, other=0.0).to(tl.float32)
-        xs = tl.load(qp + dsw[None, :], mask=tok, other=0.0).to(tl.float32)
-        tl.store(row + R + d[None, :], (x * cos + xs * sin).to(dt), mask=tok)
+            tl.store(row + rc[None, :], tl.load(qf + rc[None, :], mask=tok, other=0.0).to(dt), mask=tok)
+        if h % NC == 0:
+            d = tl.arange(0, DR)
+            dsw = (d + DR // 2) % DR
+            cos = tl.load(cos_ptr + t[:, None] * stride_cos + d[None, :], mask=tok, other=0.0)
+            sin = tl.load(sin_ptr + t[:, None] * stride_sin + d[None, :], mask=tok, other=0.0)
+            qp = qp_ptr + t[:, None] * stride_qpt + head * stride_qph
+            x = tl.load(qp + d[None, :], mask=tok, other=0.0).to(tl.float32)
+            xs = tl.load(qp + dsw[None, :], mask=tok, other=0.0).to(tl.float32)
+            tl.store(row + R + d[None, :], (x * cos + xs * sin).to(dt), mask=tok)
     else:                  # one program per token of the block: the appends' dependent loads in parallel
-        ti = tb * BT + h - H
+        ti = tb * BT + h - H * NC
         if ti < n_tok:
             _mla_append_one(ti, kv_ptr, stride_kvt, cos_ptr, stride_cos, sin_ptr, stride_sin, norm_ptr, eps,
                             cache_ptr, stride_cp, slots_ptr, bt_ptr, stride_bt, width, qo_ptr, n_req, qps, pages,
@@ -248,13 +248,13 @@ def mla_rope_append(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, c
     out = torch.empty(t_n, heads, rank + rope_dim, dtype=q_lat.dtype, device=q_lat.device)
     if t_n == 0:
         return out
-    w, bt = block_tables.shape[1], mla_block_tokens(t_n)
-    _mla_rope_append_kernel[(triton.cdiv(t_n, bt), heads + bt)](
+    w, bt, rc = block_tables.shape[1], mla_block_tokens(t_n), min(rank, 128)
+    _mla_rope_append_kernel[(triton.cdiv(t_n, bt), heads * (rank // rc) + bt)](
         q_lat, q_lat.stride(0), q_lat.stride(1), q_lat if w_uk is None else w_uk, q_pe, q_pe.stride(0),
         q_pe.stride(1), kv, kv.stride(0), cos, cos.stride(0), sin, sin.stride(0), norm_weight, float(eps), out,
         kv_cache, kv_cache.stride(0), slot_mapping, block_tables, block_tables.stride(0), w,
         qo_indptr if qo_indptr is not None else slot_mapping, b_n, max(tokens_per_seq, 1), kv_cache.shape[0], refused,
-        t_n, H=heads, R=rank, DR=rope_dim, NOPE=first, ABSORB=w_uk is not None, BT=bt, RC=min(rank, 128),
+        t_n, H=heads, R=rank, DR=rope_dim, NOPE=first, ABSORB=w_uk is not None, BT=bt, RC=rc, NC=rank // rc,
         PAGE=page_size, RAGGED=qo_indptr is not None, **_owner_blocks(w, b_n), F32_DOT=q_lat.device.type != "cuda",
         num_warps=4)
     return out

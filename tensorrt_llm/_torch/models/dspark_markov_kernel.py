@@ -8,9 +8,11 @@ argmax that a small batch runs on one block per row): ~13.5 us per draft on an H
 Here launch j (grid: blocks of up to 16 rows x vocabulary tiles of 512) first finishes draft j-1:
 a program reduces, for all its rows at once, the per-tile maxima that launch j-1 left (lowest index
 among equal maxima, as `torch.argmax`) to the previous picks, and tile 0 stores them. Then it adds
-the bias over its vocabulary tile (r float32 products per entry, summed over the rank for all rows
-together; rounded to the weights' dtype as the torch GEMM's output is) to the rows' logits tile and
-leaves each row's tile maximum and its index. A last launch reduces the final draft. The rows are
+the bias over its vocabulary tile (one tensor-core dot of the rows' Markov rows [16, r] and the tile's
+[512, r] weights, read as one block each: float32 accumulation of exact products; rounded to the
+weights' dtype as the torch GEMM's output is) to the rows' logits tile and leaves each row's tile
+maximum and its index. F32_DOT: the dot in float32 (`ieee`): the CPU interpreter, whose 16-bit dot is
+wrong, and float32 weights (no tf32). A last launch reduces the final draft. The rows are
 one [rows, tile] block, so a program's dependent loads (previous maxima, Markov rows) are issued
 once, not once per row.
 The partials alternate between two buffers, so launch j reads what launch j-1 wrote.
@@ -37,7 +39,8 @@ NO_INDEX = tl.constexpr(2 ** 31 - 1)   # a global a Triton kernel reads must be 
 def _markov_draft_kernel(logits_ptr, stride_lr, stride_lj, anchors_ptr, w1_ptr, stride_w1, w2_ptr, stride_w2,
                          pval_ptr, pidx_ptr, ids_ptr, stride_ir, R, V, NT, j, rank,
                          HAS_MARKOV: tl.constexpr, FIRST: tl.constexpr, SCAN: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr):
+                         BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_T: tl.constexpr,
+                         RANK_P: tl.constexpr, F32_DOT: tl.constexpr):
     tile = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
@@ -58,15 +61,19 @@ def _markov_draft_kernel(logits_ptr, stride_lr, stride_lj, anchors_ptr, w1_ptr, 
         lptr = logits_ptr + rows[:, None].to(tl.int64) * stride_lr + j * stride_lj + cols[None, :]
         lj = tl.load(lptr, mask=rmask[:, None] & cmask[None, :], other=float("-inf")).to(tl.float32)
         if HAS_MARKOV:
-            # bias [rows, tile] = w1[prev] @ w2[tile]^T: float32 products of the weights' values summed
-            # over the rank, then rounded to their dtype as the torch GEMM's output is
-            e_rows = w1_ptr + tl.where(rmask, prev, 0).to(tl.int64) * stride_w1
-            w_rows = w2_ptr + cols.to(tl.int64) * stride_w2
-            bias = tl.zeros([BLOCK_R, BLOCK_V], tl.float32)
-            for k in range(rank):
-                e = tl.load(e_rows + k, mask=rmask, other=0.0).to(tl.float32)
-                w = tl.load(w_rows + k, mask=cmask, other=0.0).to(tl.float32)
-                bias += e[:, None] * w[None, :]
+            # bias [rows, tile] = w1[prev] @ w2[tile]^T: one dot over the rank (zero-padded to RANK_P) with
+            # float32 accumulation of the weights' exact products, then rounded to their dtype as the torch
+            # GEMM's output is
+            k = tl.arange(0, RANK_P)
+            kmask = k < rank
+            e = tl.load(w1_ptr + tl.where(rmask, prev, 0).to(tl.int64)[:, None] * stride_w1 + k[None, :],
+                        mask=rmask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(w2_ptr + cols.to(tl.int64)[:, None] * stride_w2 + k[None, :],
+                        mask=cmask[:, None] & kmask[None, :], other=0.0)
+            if F32_DOT:
+                bias = tl.dot(e.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:
+                bias = tl.dot(e, tl.trans(w))
             lj = lj + bias.to(w2_ptr.dtype.element_ty).to(tl.float32)
         best, arg = tl.max(lj, axis=1, return_indices=True, return_indices_tie_break_left=True)
         dst = (j % 2) * R * NT + rows * NT + tile
@@ -99,8 +106,11 @@ def markov_greedy_chain(logits: torch.Tensor, anchor_ids: torch.Tensor, w1: Opti
     markov = w1 is not None
     rank = w1.shape[1] if markov else 0
     wa, wb = (w1, w2) if markov else (logits, logits)
-    block_r = min(MAX_BLOCK_R, max(2, triton.next_power_of_2(r)))
+    # the bias dot needs 16 rows (tensor cores); the argmax alone spreads few rows over small blocks
+    block_r = MAX_BLOCK_R if markov else min(MAX_BLOCK_R, max(2, triton.next_power_of_2(r)))
+    f32_dot = logits.device.type != "cuda" or (markov and w1.dtype == torch.float32)
     common = dict(HAS_MARKOV=markov, BLOCK_R=block_r, BLOCK_V=BLOCK_V, BLOCK_T=max(16, triton.next_power_of_2(nt)),
+                  RANK_P=max(16, triton.next_power_of_2(rank)), F32_DOT=f32_dot,
                   num_warps=8 if block_r > 4 else 4)
     rb = triton.cdiv(r, block_r)
     anchors = anchor_ids.contiguous()

@@ -267,7 +267,7 @@ class DSparkForCausalLMBase(nn.Module, ABC):
         self._check_caches(kv_caches)
         self._check_backend(backend, md)
         embed, _ = self._target()
-        h = embed(block_ids).to(self.norm.weight.dtype)
+        h = embed.weight[block_ids].to(self.norm.weight.dtype)   # a gather, as the target's `embed`
         derived: dict[Optional[int], AttentionMetadata] = {md.sliding_window: md}
         # the block's rope tables gathered once, where the backend norms and rotates q / k in its append
         # (the layers share their attention type, regions and rotary: the first one answers for all; each

@@ -196,8 +196,10 @@ class LlamaForCausalLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor
               ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """input_ids, positions [T] -> (embeddings [T, H], rope (cos, sin) for every layer)."""
-        return self.model.embed_tokens(input_ids), self.rotary.cos_sin(positions)
+        """input_ids, positions [T] -> (embeddings [T, H], rope (cos, sin) for every layer). The rows are
+        gathered by indexing, the same values as `nn.Embedding` (whose index_select kernel took 5 us for a
+        9-token verify on an H200)."""
+        return self.model.embed_tokens.weight[input_ids], self.rotary.cos_sin(positions)
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.norm(h)

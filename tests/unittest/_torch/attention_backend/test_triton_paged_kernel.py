@@ -230,16 +230,17 @@ def test_unallocated_pages_are_never_read():
     assert rel(got[4:], want[4:]) < TOL and rel(got[:4], want[:4]) < TOL
 
 
+@pytest.mark.parametrize("v", [16, 64])
 @pytest.mark.parametrize("splits", [1, 4, 16])
 @pytest.mark.parametrize("causal,qps", [(False, 8), (True, 3)])
-def test_mla_output_through_w_uv(causal, qps, splits):
-    """MLA with v_proj (W_UV [H, v, R]): each head's latent-space output through its W_UV, formed in one
-    launch after the attention (and the merge of its splits), equals the attention's output then the
-    per-head product, within the tolerance. Control: W_UV with
-    its heads rolled lands far outside."""
+def test_mla_output_through_w_uv(causal, qps, splits, v):
+    """MLA with v_proj (W_UV [H, v, R]): each head's latent-space output through its W_UV (formed by the
+    split merge with splits, 16 value rows at a time; else in one launch after the attention) equals the
+    attention's output then the per-head product, within the tolerance. Control: W_UV with its heads
+    rolled lands far outside."""
     lens = [qps + 1, 37, 16, 70]
     q, cache, table = _case(True, qps, lens)
-    v_dim, v = 32, 16
+    v_dim = 32
     w_uv = (torch.randn(q.shape[1], v, v_dim, generator=torch.Generator().manual_seed(5)) / 4).to(DEV, DTYPE)
     kv_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
     lat = _reference(q, cache, table, lens, qps, causal, v_dim, True).to(DTYPE)

@@ -233,10 +233,12 @@ def _mla_expected(a, rot, norm=True):
     return q, cache, refused
 
 
+@pytest.mark.parametrize("rank", [16, 256], ids=["R16", "R256-two-chunks"])
 @pytest.mark.parametrize("ragged", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mla_form_builds_q_and_appends_the_latent(ragged, dtype):
-    a, rot, slots = _mla_case(dtype, ragged)
+def test_mla_form_builds_q_and_appends_the_latent(ragged, dtype, rank):
+    """R 256 spreads each head's q_lat over two programs of 128 columns."""
+    a, rot, slots = _mla_case(dtype, ragged, rank=rank)
     want = _mla_expected(a, rot)
     want_q, want_cache, _ = want
     before = _launch_matches(mla_rope_append, a, want, slots, dtype, ulps=4)
@@ -275,12 +277,14 @@ def _w_uk_case(a, dtype, nope=16, seed=3):
     return q_nope, w_uk, torch.einsum("thn,hnr->thr", q_nope.float(), w_uk.float()).to(dtype)
 
 
+@pytest.mark.parametrize("rank", [32, 256], ids=["R32", "R256-two-chunks"])
 @pytest.mark.parametrize("ragged", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mla_form_forms_q_nope_w_uk(ragged, dtype):
+def test_mla_form_forms_q_nope_w_uk(ragged, dtype, rank):
     """Given W_UK the launch takes q_nope and forms q_lat = q_nope W_UK per head itself: q and the cache
-    as the q_lat form's, within 4 bf16 ulps. Control: W_UK with its heads rolled is far off."""
-    a, rot, slots = _mla_case(dtype, ragged, rank=32)
+    as the q_lat form's, within 4 bf16 ulps (R 256: each head's columns from two programs). Control: W_UK
+    with its heads rolled is far off."""
+    a, rot, slots = _mla_case(dtype, ragged, rank=rank)
     q_nope, w_uk, q_lat = _w_uk_case(a, dtype)
     want = _mla_expected(dict(a, q_lat=q_lat), rot)
     before = _launch_matches(mla_rope_append, dict(a, q_lat=q_nope, w_uk=w_uk), want, slots, dtype, ulps=4)
