@@ -112,9 +112,9 @@ def check_mla_rope_append(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Ten
         raise ValueError(f"{name}, q_pe, kv and kv_cache must share one dtype (kv_cache contiguous), got "
                          f"{q_lat.dtype}, {q_pe.dtype}, {kv.dtype}, {kv_cache.dtype}")
     page_size = kv_cache.shape[3]
-    for name, n in (("kv_lora_rank", rank), ("rope dim", rope_dim), ("page size", page_size)):
+    for what, n in (("kv_lora_rank", rank), ("rope dim", rope_dim), ("page size", page_size)):
         if n < 2 or n & (n - 1):
-            raise ValueError(f"{name} {n} must be a power of two >= 2")
+            raise ValueError(f"{what} {n} must be a power of two >= 2")
     _check_rope_tables(cos, sin, t_n, rope_dim)
     if (norm_weight.shape != (rank,) or norm_weight.dtype != kv.dtype or norm_weight.device != kv.device
             or norm_weight.stride(0) != 1):

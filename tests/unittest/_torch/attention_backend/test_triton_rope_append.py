@@ -259,7 +259,8 @@ def test_mla_form_names_bad_inputs():
             (lambda x: x.update(norm_weight=x["norm_weight"][:8]), "norm_weight must be"),
             (lambda x: x.update(eps=0.0), "eps must be > 0"),
             (lambda x: x.update(cos=x["cos"].double()), "cos must be"),
-            (lambda x: x.update(slot_mapping=x["slot_mapping"].int()), "slot_mapping must be")):
+            (lambda x: x.update(slot_mapping=x["slot_mapping"].int()), "slot_mapping must be"),
+            (lambda x: x.update(q_lat=x["q_lat"].to("meta")), r"^q_lat must be on cpu")):
         bad = dict(a)
         change(bad)
         with pytest.raises(ValueError, match=message):
