@@ -499,15 +499,17 @@ class MLADSparkForCausalLM(DSparkForCausalLMBase):
     def _write_all_layers(self, features: torch.Tensor, positions: torch.Tensor, pool: torch.Tensor,
                           slot_mapping: torch.Tensor, r: DrafterRegions, slots_valid: bool,
                           backend: AttentionBackend) -> None:
-        cw = self._context_weights
-        if r.triton_context and not backend.capabilities.cute_norm_rope:
-            from .dspark_context_kernel import write_mla_context
-            return write_mla_context(F.linear(features, cw.weight), cw.norm_weight, cw.eps, positions,
-                                     *self.rotary.tables(positions.device), pool, slot_mapping)
-        if not backend.capabilities.cute_norm_rope:
+        cute = backend.capabilities.cute_norm_rope
+        if not (cute or r.triton_context):
             return super()._write_all_layers(features, positions, pool, slot_mapping, r, slots_valid, backend)
+        cw = self._context_weights
+        kv = F.linear(features, cw.weight)                                           # [N, L * (R + r)]
+        if not cute:
+            from .dspark_context_kernel import write_mla_context
+            return write_mla_context(kv, cw.norm_weight, cw.eps, positions, *self.rotary.tables(positions.device),
+                                     pool, slot_mapping)
         from ..attention_backend.cute_norm_rope import norm_rope
-        kv = F.linear(features, cw.weight).view(features.shape[0], cw.norm_weight.shape[0], -1)   # [N, L, R + r]
+        kv = kv.view(features.shape[0], cw.norm_weight.shape[0], -1)                  # [N, L, R + r]
         cos, sin = self.rotary.cos_sin(positions)
         lat = norm_rope(kv, cos[:, 0], sin[:, 0], torch.empty_like(kv), norm_dim=self.config.kv_lora_rank,
                         weight=cw.norm_weight, eps=cw.eps)       # each layer's kv_a_layernorm on its rows
