@@ -14,9 +14,10 @@ CUDA-event time of a CUDA graph of 20 calls (so launch cost is excluded), median
 FLASHINFER's plan is made once outside the timing, and its host plan time per call is reported
 separately. Prints a table; --json writes it.
 --w-uv (instead of the attention shapes): the MLA draft block with its output through W_UV at the default
-split count, as the engine runs it (the product inside the split merge where the KV is split) against two
-launches (the attention, then `mla_value_projection`) and the attention alone; one JSON line per batch and
-context with the three graph times and the max abs difference of the two W_UV forms.
+split count and at each --splits count, as the engine runs it (the product inside the split merge where the
+KV is split) against two launches (the attention, then `mla_value_projection`) and the attention alone; one
+JSON line per batch and context with the three graph times per split count and the max abs difference of
+the two W_UV forms.
 --norm-rope (instead of the attention shapes): the CuTe DSL norm + RoPE prep kernel (`cute_norm_rope`, the
 CUTEDSL drafter backend's; needs nvidia-cutlass-dsl) against its torch path (`norm_rope_reference`) on the
 drafter's rows at --batch requests (8 block queries each; 9 committed context tokens each for the context
@@ -31,7 +32,8 @@ difference of the two outputs.
         --splits 1 2 4 8 16 --json $OUT/attn.json
     python3 examples/gpu/attention_bench.py --batch 16 64 --ctx 256 512 --splits --configs --json $OUT/cfg.json
     python3 examples/gpu/attention_bench.py --norm-rope --json $OUT/norm_rope.json
-    python3 examples/gpu/attention_bench.py --w-uv --batch 1 4 16 --ctx 256 512 --json $OUT/w_uv.json
+    python3 examples/gpu/attention_bench.py --w-uv --batch 1 4 16 --ctx 256 512 --splits 1 2 4 8 16 \\
+        --json $OUT/w_uv.json
 """
 from __future__ import annotations
 
@@ -128,23 +130,26 @@ def _config_sweep(name: str, batch: int, ctx: int, dev: torch.device) -> dict:
     return {"default": key, "configs": timed}
 
 
-def _w_uv_case(batch: int, ctx: int, dev: torch.device) -> dict:
-    """The MLA draft block's attention with its output through W_UV [16, 64, 512] at the default split
-    count: as the engine runs it (`paged_attention(v_proj=)`: the product in the split merge where the
-    KV is split), as two launches (the attention, then `mla_value_projection`), and the attention alone."""
+def _w_uv_case(batch: int, ctx: int, dev: torch.device, splits: list[int]) -> dict:
+    """The MLA draft block's attention with its output through W_UV [16, 64, 512], at the default split count
+    and at each of `splits`: as the engine runs it (`paged_attention(v_proj=)`: the product in the split
+    merge where the KV is split, else one launch after it), as two launches (the attention, then
+    `mla_value_projection`), and the attention alone."""
     qps, hq, _, _, _, _ = SHAPES["mla_draft_block"]
     cache, table, q, _ = _tensors("mla_draft_block", batch, ctx, dev)
     lens = torch.full((batch,), ctx + qps, dtype=torch.int32, device=dev)
     w_uv = torch.randn(hq, 64, 512, device=dev, dtype=torch.bfloat16) / 16
-    attend = lambda v=None: paged_attention(q, cache, table, lens, 0.1, False, 512, True, v_proj=v)  # noqa: E731
-    merged = lambda: attend(w_uv)                                                                    # noqa: E731
-    apart = lambda: mla_value_projection(attend(), w_uv)                                            # noqa: E731
-    diff = (merged().float() - apart().float()).abs().max().item()
-    return {"shape": "mla_draft_block_w_uv", "batch": batch, "ctx": ctx,
-            "splits": default_num_splits(batch * triton.cdiv(qps * hq, launch_config(
-                batch, qps * hq, P, cache.shape[-1], 2, True, dev).block_m), dev),
-            "engine_us": round(graph_us(merged), 2), "two_launches_us": round(graph_us(apart), 2),
-            "attention_only_us": round(graph_us(attend), 2), "max_abs_diff": diff}
+    default = default_num_splits(batch * triton.cdiv(qps * hq, launch_config(
+        batch, qps * hq, P, cache.shape[-1], 2, True, dev).block_m), dev)
+    row = {"shape": "mla_draft_block_w_uv", "batch": batch, "ctx": ctx, "default_splits": default}
+    for n in [default] + [n for n in splits if n != default]:
+        def attend(v=None, n=n):
+            return paged_attention(q, cache, table, lens, 0.1, False, 512, True, num_splits=n, v_proj=v)
+        diff = (attend(w_uv).float() - mla_value_projection(attend(), w_uv).float()).abs().max().item()
+        row[f"s{n}"] = {"engine_us": round(graph_us(lambda: attend(w_uv)), 2),
+                        "two_launches_us": round(graph_us(lambda: mla_value_projection(attend(), w_uv)), 2),
+                        "attention_only_us": round(graph_us(attend), 2), "max_abs_diff": diff}
+    return row
 
 
 def _linear_case(n: int, k: int, tokens: int, dev: torch.device) -> dict:
@@ -213,7 +218,7 @@ def main() -> None:
             rows.append(_norm_rope_case(name, b, dev))
             print(json.dumps(rows[-1]), flush=True)
     for b, ctx in itertools.product(a.batch, a.ctx) if a.w_uv else ():
-        rows.append(_w_uv_case(b, ctx, dev))
+        rows.append(_w_uv_case(b, ctx, dev, a.splits))
         print(json.dumps(rows[-1]), flush=True)
     for name in SHAPES if not (a.norm_rope or a.w_uv) else ():
         for b in a.batch:

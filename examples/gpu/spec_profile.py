@@ -8,6 +8,7 @@ Per arm (no-spec, then each `--drafter NAME=DIR`), FLASHINFER + CUDA graphs, B M
    the device is charged the wait);
 2. GPU kernel time per step from `torch.profiler` over a window of steps (sum of device time of
    all kernels and copies), so wall - GPU is the host-bound share;
+   and a timeline of about two steps of device ops (name, us, the idle gap before each);
 3. cProfile of the executor thread over the same generate, top functions by own time (in the JSON:
    one file per run, so a device call returns it whole).
 
@@ -62,6 +63,17 @@ def _wrap_timers(ex, timers: dict) -> None:
     timed(ex, "step", "step")
 
 
+def _timeline(prof, count: int) -> list[dict]:
+    """`count` device ops (about two steps) from the middle of the profiled window, in start order: name,
+    microseconds and the idle gap before it (in a graph replay: the launch bubble between kernels)."""
+    from torch.autograd import DeviceType
+    ops = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    mid = max(len(ops) // 2 - count // 2, 1)
+    return [{"name": e.name[:70], "us": round(e.time_range.elapsed_us(), 2),
+             "gap_us": round(e.time_range.start - ops[i - 1].time_range.end, 2)}
+            for i, e in zip(range(mid, mid + count), ops[mid:mid + count])]
+
+
 def _gpu_ms_per_step(llm, prompts, params) -> dict:
     """torch.profiler over one generate: device time of kernels + memcpy per executor step."""
     from torch.profiler import ProfilerActivity, profile
@@ -84,6 +96,7 @@ def _gpu_ms_per_step(llm, prompts, params) -> dict:
             rows.append((d, e.key, e.count))
     rows.sort(reverse=True)
     return {"profiled_steps": n, "gpu_ms_per_step": dev_us / 1000 / n, "gpu_ops_per_step": launches / n,
+            "timeline": _timeline(prof, round(2 * launches / n)),
             "top_device": [{"name": k[:90], "ms_per_step": d / 1000 / n, "calls_per_step": c / n}
                            for d, k, c in rows[:40]],
             "top_host_cuda_api": [{"name": k, "host_ms_per_step": t / 1000 / n, "calls_per_step": c / n}
