@@ -148,8 +148,7 @@ class TritonAttention(AttentionBackend):
                          w_uk=None, w_uv=None):
         """Absorbed MLA from unrotated pieces: one launch builds q (q_nope W_UK too, given w_uk), norms and
         rotates the latent and appends it within each request's pages (`triton_rope_append.mla_rope_append`),
-        then attention, its output through W_UV given w_uv (in the split merge where the KV is split, else one
-        launch after it: `mla_value_projection`)."""
+        then attention, its output through W_UV given w_uv (one launch after it: `mla_value_projection`)."""
         from .triton_rope_append import mla_rope_append
         md = metadata
         q = mla_rope_append(q_lat, q_pe, kv, cos, sin, norm_weight, eps, kv_cache, md.slot_mapping, md.block_tables,

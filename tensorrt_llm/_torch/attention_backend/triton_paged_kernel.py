@@ -139,49 +139,6 @@ def _merge_splits_kernel(ws_acc_ptr, ws_ml_ptr, out_ptr, stride_ot, stride_oh, n
 
 
 @triton.jit
-def _merge_splits_wuv_kernel(ws_acc_ptr, ws_ml_ptr, wuv_ptr, out_ptr, stride_ot, stride_oh, n_tok, n_heads,
-                             DV: tl.constexpr, SPLIT: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                             RC: tl.constexpr, F32_DOT: tl.constexpr):
-    """MLA with W_UV, one program per (block of BT tokens, head h): the merge above for the block's rows,
-    RC latent columns at a time, each chunk rounded to the output dtype (as the attention's output is)
-    and taken through W_UV[h][:, chunk]^T by one tensor-core dot (float32 sums) -> out [BT, V]. Each
-    head's W_UV is read once per token block, not once per row. F32_DOT: as `_mla_value_proj_kernel`."""
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    h = tl.program_id(1)
-    ok = t < n_tok
-    m_max = tl.full([BT], float("-inf"), tl.float32)
-    for s in tl.static_range(SPLIT):
-        m_max = tl.maximum(m_max, tl.load(ws_ml_ptr + ((s * n_tok + t) * n_heads + h) * 2, mask=ok,
-                                          other=float("-inf")))
-    m_ref = tl.where(ok, m_max, 0.0)             # a padding row (no keys at all) stays finite
-    denom = tl.zeros([BT], tl.float32)
-    for s in tl.static_range(SPLIT):
-        at = (s * n_tok + t) * n_heads + h
-        m_s = tl.load(ws_ml_ptr + at * 2, mask=ok, other=float("-inf"))
-        denom += tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m_ref)) * tl.load(ws_ml_ptr + at * 2 + 1,
-                                                                                     mask=ok, other=0.0)
-    denom = tl.where(ok, denom, 1.0)
-    v = tl.arange(0, V)
-    out = tl.zeros([BT, V], tl.float32)
-    dt = out_ptr.dtype.element_ty
-    for r0 in tl.static_range(0, DV, RC):
-        r = r0 + tl.arange(0, RC)
-        lat = tl.zeros([BT, RC], tl.float32)
-        for s in tl.static_range(SPLIT):
-            at = (s * n_tok + t) * n_heads + h
-            m_s = tl.load(ws_ml_ptr + at * 2, mask=ok, other=float("-inf"))
-            w_s = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m_ref))    # a split without keys: 0
-            lat += tl.load(ws_acc_ptr + at[:, None] * DV + r[None, :], mask=ok[:, None], other=0.0) * w_s[:, None]
-        lat = (lat / denom[:, None]).to(dt)
-        w_t = tl.load(wuv_ptr + h * (V * DV) + v[None, :] * DV + r[:, None])    # W_UV[h][:, chunk]^T [RC, V]
-        if F32_DOT:
-            out += tl.dot(lat.to(tl.float32), w_t.to(tl.float32))
-        else:
-            out += tl.dot(lat, w_t)
-    tl.store(out_ptr + t[:, None] * stride_ot + h * stride_oh + v[None, :], out.to(dt), mask=ok[:, None])
-
-
-@triton.jit
 def _mla_value_proj_kernel(lat_ptr, stride_lt, stride_lh, wuv_ptr, out_ptr, stride_ot, stride_oh, n_tok,
                            R: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, RC: tl.constexpr, VC: tl.constexpr,
                            F32_DOT: tl.constexpr):
@@ -205,7 +162,6 @@ def _mla_value_proj_kernel(lat_ptr, stride_lt, stride_lh, wuv_ptr, out_ptr, stri
 
 
 MAX_SPLITS = 16
-MERGE_BLOCK_T = 16     # tokens per program of the merge with W_UV (a tensor-core dot needs 16 rows)
 
 
 @functools.cache
@@ -310,9 +266,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     a real page of it, and kv_lens[b] >= its query rows.
 
     MLA with v_proj (W_UV [Hq, v, v_dim] contiguous, q's dtype): the output [T, Hq, v] is each head's
-    latent-space output through W_UV, formed by the split merge where the KV is split (a small batch),
-    else by one launch after the attention (`mla_value_projection`), instead of a batched GEMM and its
-    layout copies.
+    latent-space output through W_UV, formed by one launch after the attention (`mla_value_projection`)
+    instead of a batched GEMM and its layout copies.
     """
     b = kv_lens.shape[0]
     t, hq, dqk = q.shape
@@ -352,8 +307,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     splits = default_num_splits(b * hkv * row_blocks, q.device) if num_splits is None else num_splits
     if splits < 1 or splits > MAX_SPLITS or splits & (splits - 1):
         raise ValueError(f"num_splits must be a power of two in [1, {MAX_SPLITS}], got {splits}")
-    merged_proj = splits > 1 and v_proj is not None     # the split merge takes the rows through W_UV
-    out = torch.empty(t, hq, v_proj.shape[1] if merged_proj else v_dim, dtype=q.dtype, device=q.device)
+    out = torch.empty(t, hq, v_dim, dtype=q.dtype, device=q.device)
     if splits > 1:
         ws_acc = torch.empty(splits, t, hq, v_dim, dtype=torch.float32, device=q.device)
         ws_ml = torch.empty(splits, t, hq, 2, dtype=torch.float32, device=q.device)
@@ -365,14 +319,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         out, out.stride(0), out.stride(1), float(scale), qps, ws_acc, ws_ml, t, hq, G=g, DV=v_dim, DR=dr,
         K_PLANE=0, V_PLANE=0 if mla else 1, PAGE=page_size, BLOCK_M=cfg.block_m, CAUSAL=causal, RAGGED=ragged,
         SPLIT=splits, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if merged_proj:
-        _merge_splits_wuv_kernel[(triton.cdiv(t, MERGE_BLOCK_T), hq)](
-            ws_acc, ws_ml, v_proj, out, out.stride(0), out.stride(1), t, hq, DV=v_dim, SPLIT=splits,
-            V=v_proj.shape[1], BT=MERGE_BLOCK_T, RC=min(v_dim, 128), F32_DOT=q.device.type != "cuda", num_warps=4)
-    elif splits > 1:
+    if splits > 1:
         _merge_splits_kernel[(t, hq)](ws_acc, ws_ml, out, out.stride(0), out.stride(1), t, hq, DV=v_dim,
                                       SPLIT=splits, num_warps=4)
-    return out if v_proj is None or merged_proj else mla_value_projection(out, v_proj)
+    return out if v_proj is None else mla_value_projection(out, v_proj)
 
 
 def mla_block_tokens(n_tok: int) -> int:

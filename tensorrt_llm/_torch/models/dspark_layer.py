@@ -3,6 +3,7 @@ drafter's regions when they are set (`dspark_regions`), with its attention input
 unrotated to a backend with `fused_rope_append` (`DSparkDecoderLayer.attention`)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -14,6 +15,15 @@ from ..modules.mla import MLAAttention
 from ..modules.rms_norm import RMSNorm
 from .dspark_config import DSparkModelConfig
 from .dspark_regions import DrafterRegions
+
+
+@dataclass(frozen=True)
+class AttentionParts:
+    """A layer's attention inputs as its region hands them to a backend with `fused_rope_append`
+    (unnormed, unrotated): GQA (q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]), views of the q|k|v GEMM's
+    output; absorbed MLA (q_first [T, Hq, first], q_pe [T, Hq, rope], raw latent [T, R + rope])."""
+
+    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class DSparkDecoderLayer(nn.Module):
@@ -35,10 +45,7 @@ class DSparkDecoderLayer(nn.Module):
         if r is None:
             h = h + self.self_attn(self.input_layernorm(h), positions, kv_cache, md, backend)
             return h + self.mlp(self.post_attention_layernorm(h))
-        n, a = self.post_attention_layernorm, self.self_attn
-        o_w = a.output_weight() if isinstance(a, MLAAttention) else a.o_proj.weight
-        return r.output(h, self.attention(h, positions, kv_cache, md, backend, rope), o_w,
-                        n.weight, n.eps, self.mlp._gate_up, self.mlp.down_proj.weight)
+        return r.output(*self._output_args(h, self.attention(h, positions, kv_cache, md, backend, rope)))
 
     def fuses_rope_append(self, backend: AttentionBackend) -> bool:
         """Whether this layer hands `backend` its attention inputs unnormed and unrotated: a layer with
@@ -62,20 +69,62 @@ class DSparkDecoderLayer(nn.Module):
         if rope is not None and not self.fuses_rope_append(backend):
             raise ValueError(f"a fused RoPE append needs a layer with regions (GQA: q / k norms; MLA: absorbed) "
                              f"on a backend with fused_rope_append ({backend.name})")
+        if rope is not None:
+            return self.attend_parts(self.attention_parts(h), rope, kv_cache, md, backend)
         tables = a.rotary.tables(positions.device)
         if isinstance(a, MLAAttention):
             if not a.absorb:
                 return a.attend(n(h), positions, kv_cache, md, backend)
-            w = (h, n.weight, n.eps, *a.projection_weights(), a.num_heads, a.q_first_dim, a.kv_lora_rank,
-                 a.qk_rope_head_dim)
-            if rope is not None:
-                return a.attend_absorbed_rope(*r.mla_attention_parts(*w), rope, kv_cache, md, backend)
-            q, latent = r.mla_attention_inputs(*w, a.absorbed_w_uk(), a.kv_a_layernorm.weight, positions, *tables,
+            q, latent = r.mla_attention_inputs(h, n.weight, n.eps, *a.projection_weights(), *self._mla_dims(),
+                                               a.absorbed_w_uk(), a.kv_a_layernorm.weight, positions, *tables,
                                                a.rotary.interleaved)
             return a.attend_absorbed(q, latent, kv_cache, md, backend)
-        if rope is not None:
-            q, k, v = r.qkv(h, n.weight, n.eps, *a._qkv, None, None, a.num_heads, a.num_kv_heads, a.head_dim)
-            return a.core(q, k, v, kv_cache, md, backend, rope, a.head_norms())
         q, k, v = r.gqa_attention_inputs(h, n.weight, *a._qkv, a.q_norm.weight, a.k_norm.weight, n.eps, positions,
                                          *tables, a.rotary.interleaved, a.num_heads, a.num_kv_heads, a.head_dim)
         return a.core(q, k, v, kv_cache, md, backend)
+
+    # ---- the fused-append path, cut at each attention (`DSparkForCausalLM.forward_block`) ----------
+    def attention_parts(self, h: torch.Tensor) -> AttentionParts:
+        """h [T, hidden] residual stream -> this layer's `AttentionParts` (a `fuses_rope_append` layer)."""
+        a, n = self.self_attn, self.input_layernorm
+        if isinstance(a, MLAAttention):
+            return AttentionParts(self.regions.mla_attention_parts(h, n.weight, n.eps, *a.projection_weights(),
+                                                                   *self._mla_dims()))
+        return AttentionParts(self.regions.qkv(h, n.weight, n.eps, *a._qkv, None, None, a.num_heads,
+                                               a.num_kv_heads, a.head_dim))
+
+    def attend_parts(self, parts: AttentionParts, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
+                     md: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        """The backend's fused norm + RoPE + append, then attention -> the heads' outputs [T, Hq * Dv]."""
+        a = self.self_attn
+        if isinstance(a, MLAAttention):
+            return a.attend_absorbed_rope(*parts.tensors, rope, kv_cache, md, backend)
+        return a.core(*parts.tensors, kv_cache, md, backend, rope, a.head_norms())
+
+    def output_then_parts(self, h: torch.Tensor, o: torch.Tensor, nxt: "DSparkDecoderLayer"
+                          ) -> tuple[torch.Tensor, AttentionParts]:
+        """This layer's output, then `nxt`'s `AttentionParts`, as one region (`output_then_qkv` /
+        `mla_output_then_parts`): h [T, hidden], o [T, Hq * Dv] -> (h [T, hidden], nxt's parts)."""
+        b, m = nxt.self_attn, nxt.input_layernorm
+        if isinstance(b, MLAAttention):
+            h, *p = self.regions.mla_output_then_parts(*self._output_args(h, o), m.weight, *b.projection_weights(),
+                                                       *nxt._mla_dims())
+        else:
+            h, *p = self.regions.output_then_qkv(*self._output_args(h, o), m.weight, m.eps, *b._qkv, None, None,
+                                                 b.num_heads, b.num_kv_heads, b.head_dim)
+        return h, AttentionParts(tuple(p))
+
+    def output_then_norm(self, h: torch.Tensor, o: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """The last layer's output through the final `norm`, as one region -> final-normed hidden [T, hidden]."""
+        return self.regions.output_then_norm(*self._output_args(h, o), norm.weight, norm.eps)
+
+    def _output_args(self, h: torch.Tensor, o: torch.Tensor) -> tuple:
+        """`layer_output`'s arguments: (h, o, o_w, norm_w, eps, gate_up_w, down_w)."""
+        a, n = self.self_attn, self.post_attention_layernorm
+        o_w = a.output_weight() if isinstance(a, MLAAttention) else a.o_proj.weight
+        return h, o, o_w, n.weight, n.eps, self.mlp._gate_up, self.mlp.down_proj.weight
+
+    def _mla_dims(self) -> tuple[int, int, int, int]:
+        """(heads, q_first_dim, kv_lora_rank, qk_rope_head_dim) of an MLA layer."""
+        a = self.self_attn
+        return a.num_heads, a.q_first_dim, a.kv_lora_rank, a.qk_rope_head_dim

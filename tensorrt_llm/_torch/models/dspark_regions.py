@@ -17,6 +17,10 @@ The drafter's device step (`DraftGraphRunner.draft_rows`) is, per region::
                       q_lat | q_pe come out of the GEMM)
     mla_attention_inputs: input_layernorm -> q (q_a, norm, q_b) | latent -> RoPE -> q_nope W_UK
     output          : o_proj + residual -> norm -> gate|up SwiGLU -> down + residual (the target's region)
+    output_then_qkv / mla_output_then_parts / output_then_norm: a layer's output joined to the next
+                      layer's `qkv` (the target's `output_then_inputs`) / `mla_attention_parts`, or to the
+                      final norm (forward_block on a backend with `fused_rope_append`: one region between
+                      two attentions, so the residual add and the next norm are one kernel)
     greedy_drafts   : lm_head GEMM -> per draft: + Markov bias of the previous pick -> argmax (propose_greedy;
                       on CUDA the compiled regions run it as Triton launches: `dspark_markov_kernel`)
     (on CUDA gqa_context_kv / mla_context_latents and the scatter are one Triton launch after the
@@ -44,7 +48,8 @@ import torch
 import torch.nn.functional as F
 
 from ..attention_backend.interface import device_positions
-from ..modules.compiled_regions import LayerRegions, attention_inputs, layer_output, split_qkv
+from ..modules.compiled_regions import LayerRegions, attention_inputs, layer_output, output_then_inputs, \
+    split_qkv
 from ..modules.rms_norm import rms_norm
 from ..modules.rotary_embedding import rope_rotate
 
@@ -177,6 +182,27 @@ def mla_attention_inputs(h: torch.Tensor, norm_w: torch.Tensor, eps: float, q_a_
     return torch.cat((q_lat, q_pe.to(q_lat.dtype)), dim=-1), latent
 
 
+def mla_output_then_parts(h: torch.Tensor, o: torch.Tensor, o_w: torch.Tensor, norm_w: torch.Tensor, eps: float,
+                          gate_up_w: torch.Tensor, down_w: torch.Tensor, next_norm_w: torch.Tensor,
+                          q_a_w: Optional[torch.Tensor], q_a_norm_w: Optional[torch.Tensor], q_w: torch.Tensor,
+                          kv_a_w: Optional[torch.Tensor], heads: int, first: int, kv_lora_rank: int, rope_dim: int
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One layer's output (`layer_output`), then the next MLA layer's `mla_attention_parts` (its weights
+    and dims as there, next_norm_w its input_layernorm), as one region: compiled, the residual add and the
+    next layer's RMSNorm are one kernel. Returns (h [T, H], q_first, q_pe, raw latent)."""
+    h = layer_output(h, o, o_w, norm_w, eps, gate_up_w, down_w)
+    return (h, *mla_attention_parts(h, next_norm_w, eps, q_a_w, q_a_norm_w, q_w, kv_a_w, heads, first, kv_lora_rank,
+                                    rope_dim))
+
+
+def output_then_norm(h: torch.Tensor, o: torch.Tensor, o_w: torch.Tensor, norm_w: torch.Tensor, eps: float,
+                     gate_up_w: torch.Tensor, down_w: torch.Tensor, final_norm_w: torch.Tensor,
+                     final_eps: float) -> torch.Tensor:
+    """The last layer's output (`layer_output`) through the final RMSNorm, as one region: compiled, the
+    residual add and the norm are one kernel -> final-normed hidden [T, H]."""
+    return rms_norm(layer_output(h, o, o_w, norm_w, eps, gate_up_w, down_w), final_norm_w, final_eps)
+
+
 def greedy_drafts(hidden: torch.Tensor, anchor_ids: torch.Tensor, lm_w: torch.Tensor, lm_b: Optional[torch.Tensor],
                   markov_w1: Optional[torch.Tensor], markov_w2: Optional[torch.Tensor], block_size: int, first: int,
                   num_drafts: int) -> torch.Tensor:
@@ -200,19 +226,23 @@ def greedy_drafts(hidden: torch.Tensor, anchor_ids: torch.Tensor, lm_w: torch.Te
 
 
 def draft_addressing(start: torch.Tensor, verified: torch.Tensor, block_tables: torch.Tensor, page_size: int,
-                     block_size: int, mask_token_id: int) -> tuple[torch.Tensor, ...]:
+                     block_size: int, mask_token_id: int, slot_out: torch.Tensor, lens_out: torch.Tensor
+                     ) -> tuple[torch.Tensor, ...]:
     """The device draft step's addressing: start [B] int64 first verified position, verified [B, q]
     int64 (-1 padded), block_tables [B, W] int32 -> (context positions [B, q], context slots [B*q],
-    committed [B] (1..q), anchors [B], block positions [B, S], block slots [B*S], block KV lengths
-    [B] (start + committed + S), block ids [B, S] = [anchor, MASK x (S-1)])."""
+    committed [B] (1..q), anchors [B], block positions [B, S], block ids [B, S] = [anchor, MASK x
+    (S-1)]); the block's slots [B*S] and KV lengths [B] (start + committed + S) are written into
+    slot_out [B*S] / lens_out [B] (the block metadata's: compiled, by the kernels that form them)."""
     ctx_pos, ctx_slots = device_positions(start, verified.shape[1], block_tables, page_size)
     committed = (verified >= 0).sum(1)
     anchors = verified.gather(1, (committed - 1)[:, None])[:, 0]
     new_ctx = start + committed
     blk_pos, blk_slots = device_positions(new_ctx, block_size, block_tables, page_size)
+    slot_out.copy_(blk_slots)
+    lens_out.copy_(new_ctx + block_size)
     first = torch.arange(block_size, device=start.device)[None, :] == 0
     blk_ids = torch.where(first, anchors[:, None], mask_token_id)
-    return ctx_pos, ctx_slots, committed, anchors, blk_pos, blk_slots, new_ctx + block_size, blk_ids
+    return ctx_pos, ctx_slots, committed, anchors, blk_pos, blk_ids
 
 
 @dataclass(frozen=True)
@@ -227,6 +257,9 @@ class DrafterRegions:
     mla_latent: Callable[..., torch.Tensor]
     mla_attention_inputs: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     output: Callable[..., torch.Tensor]
+    output_then_qkv: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+    mla_output_then_parts: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+    output_then_norm: Callable[..., torch.Tensor]
     greedy_drafts: Callable[..., torch.Tensor]
     draft_addressing: Callable[..., tuple[torch.Tensor, ...]]
     qkv: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -247,7 +280,8 @@ class DrafterRegions:
             from .dspark_markov_kernel import greedy_drafts_triton
             drafts = greedy_drafts_triton
         return DrafterRegions(features, gqa_project_kv, gqa_context_kv, mla_context_latents, gqa_attention_inputs,
-                              mla_latent, mla_attention_inputs, layer_output, drafts, draft_addressing,
+                              mla_latent, mla_attention_inputs, layer_output, output_then_inputs,
+                              mla_output_then_parts, output_then_norm, drafts, draft_addressing,
                               attention_inputs, mla_attention_parts, compiled=False, triton_chain=triton_chain,
                               triton_context=triton_context)
 
@@ -273,6 +307,7 @@ def _inductor_regions(triton_chain: bool, triton_context: bool) -> DrafterRegion
     target = LayerRegions.inductor()
     return DrafterRegions(c(features), c(gqa_project_kv), c(gqa_context_kv), c(mla_context_latents),
                           c(gqa_attention_inputs), c(mla_latent),
-                          c(mla_attention_inputs), target.output, drafts,
+                          c(mla_attention_inputs), target.output, target.output_then_inputs,
+                          c(mla_output_then_parts), c(output_then_norm), drafts,
                           c(draft_addressing), target.attention_inputs, c(mla_attention_parts), compiled=True,
                           triton_chain=triton_chain, triton_context=triton_context)

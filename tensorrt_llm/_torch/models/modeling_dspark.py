@@ -273,13 +273,24 @@ class DSparkForCausalLMBase(nn.Module, ABC):
         # (the layers share their attention type, regions and rotary: the first one answers for all; each
         # layer's `attention` checks its own again)
         rope = self.rotary.cos_sin(positions) if self.layers[0].fuses_rope_append(backend) else None
+        # every layer fusing its append: cut at each attention, one region between two attentions (a layer's
+        # output joined to the next layer's attention inputs, the last one's to the final norm)
+        joined = rope is not None and all(layer.fuses_rope_append(backend) for layer in self.layers)
+        parts = self.layers[0].attention_parts(h) if joined else None
+        last = len(self.layers) - 1
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             window = self.config.layer_sliding_window(i)
             if window not in derived:
                 # Fresh extras: backend plan state depends on the mask, so plan this variant too.
                 derived[window] = dataclasses.replace(md, sliding_window=window, extras={})
                 backend.prepare(derived[window])
-            h = layer(h, positions, cache, derived[window], backend, rope)
+            if not joined:
+                h = layer(h, positions, cache, derived[window], backend, rope)
+                continue
+            o = layer.attend_parts(parts, rope, cache, derived[window], backend)
+            if i == last:
+                return layer.output_then_norm(h, o, self.norm)
+            h, parts = layer.output_then_parts(h, o, self.layers[i + 1])
         return self.norm(h)
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -269,10 +269,9 @@ class DraftGraphRunner:
         `block_metadata` -> [B, 2 + k_max] int64 rows [committed | anchor, drafts]."""
         d = self.drafter
         addressing = d.regions.draft_addressing if d.regions is not None else draft_addressing
-        ctx_pos, ctx_slots, committed, anchors, blk_pos, blk_slots, blk_lens, blk_ids = addressing(
-            start, verified, md.block_tables, self.kv.tokens_per_block, self.block_size, self.mask_token_id)
-        md.slot_mapping.copy_(blk_slots)
-        md.kv_lens_device.copy_(blk_lens)
+        ctx_pos, ctx_slots, committed, anchors, blk_pos, blk_ids = addressing(
+            start, verified, md.block_tables, self.kv.tokens_per_block, self.block_size, self.mask_token_id,
+            md.slot_mapping, md.kv_lens_device)
         feats = d.context_features(captured)
         d.write_context(feats, ctx_pos.view(-1), ctx_slots, self.kv_caches, self.backend, slots_valid=True)
         hidden = d.forward_block(blk_ids.view(-1), blk_pos.view(-1), md, self.kv_caches, self.backend)

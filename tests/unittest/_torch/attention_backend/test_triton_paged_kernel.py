@@ -234,10 +234,9 @@ def test_unallocated_pages_are_never_read():
 @pytest.mark.parametrize("splits", [1, 4, 16])
 @pytest.mark.parametrize("causal,qps", [(False, 8), (True, 3)])
 def test_mla_output_through_w_uv(causal, qps, splits, v):
-    """MLA with v_proj (W_UV [H, v, R]): each head's latent-space output through its W_UV (formed by the
-    split merge with splits, 16 value rows at a time; else in one launch after the attention) equals the
-    attention's output then the per-head product, within the tolerance. Control: W_UV with its heads
-    rolled lands far outside."""
+    """MLA with v_proj (W_UV [H, v, R]): each head's latent-space output through its W_UV (one launch after
+    the attention, also where the KV is split) equals the attention's output then the per-head product,
+    within the tolerance. Control: W_UV with its heads rolled lands far outside."""
     lens = [qps + 1, 37, 16, 70]
     q, cache, table = _case(True, qps, lens)
     v_dim = 32

@@ -11,7 +11,8 @@ writes / propose logits within 1e-4 relative (max error over max value), while t
 with one weight x3 (negative control) lands beyond 1e-2 (measured: ~0.6).
 On TRITON (Triton's interpreter) a drafter's norms and RoPE run in the backend's fused append (GQA:
 `forward_rope` with the layer's `HeadNorms`; MLA: `forward_mla_rope`): the same drafts, hidden and
-pool writes within 1e-5; without the norms (control) beyond 1e-2.
+pool writes within 1e-5; without the norms (control) beyond 1e-2. There the block joins each layer's
+output to the next layer's projections (the last one's to the final norm), eager and compiled.
 An MLA drafter with W_UK folded into its q projection (`fold_mla_query`) runs the same step through
 one q GEMM per layer within 1e-5 (eager, TRITON) / 1e-4 (inductor) of the unfolded one.
 `LLM(torch_compile_config=...)` with a DSpark drafter (MLA also with both folds) reports the drafter's
@@ -272,6 +273,42 @@ def test_layers_hand_norms_and_rope_to_a_fusing_backend(kind):
         a = d.layers[0].self_attn
         with pytest.raises(ValueError, match="head_norms go with rope"):
             a.core(*[torch.zeros(t, 4, 16)] * 3, None, None, VanillaAttention(), head_norms=a.head_norms())
+
+
+def _counting(regions: DrafterRegions, counts: dict) -> DrafterRegions:
+    """`regions` whose layer-output functions count their calls in `counts` (by field name)."""
+    def counted(name: str):
+        fn = getattr(regions, name)
+
+        def run(*args):
+            counts[name] = counts.get(name, 0) + 1
+            return fn(*args)
+        return run
+    names = ("output", "output_then_qkv", "mla_output_then_parts", "output_then_norm")
+    return dataclasses.replace(regions, **{n: counted(n) for n in names})
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_fused_block_joins_each_output_to_the_next_inputs(kind, compiled):
+    """On a `fused_rope_append` backend the block runs one region between two attentions: each layer's
+    output joined to the next layer's projections (`output_then_qkv` / `mla_output_then_parts`), the last
+    one's to the final norm (`output_then_norm`); never the lone `output`. The drafts equal VANILLA's
+    (layer by layer), the hidden and pool writes within 1e-5 (eager) / 1e-4 (inductor). Control: the
+    second layer's input norm x3 moves the hidden beyond 1e-2 (the joined region reads the next layer's
+    norm, not its own)."""
+    d = _drafter(kind, CPU, torch.float32, **({"qk_rope_head_dim": 16} if kind == "mla" else {}))
+    want_rows, want_pool, want_hidden = _draft_step(d, VanillaAttention())
+    counts: dict = {}
+    d.use_regions(_counting(DrafterRegions.inductor() if compiled else DrafterRegions.eager(), counts))
+    rows, pool, hidden = _draft_step(d, _spied_triton([]))
+    joined = "mla_output_then_parts" if kind == "mla" else "output_then_qkv"
+    assert counts == {joined: len(d.layers) - 1, "output_then_norm": 1}
+    tol = 1e-4 if compiled else 1e-5
+    assert torch.equal(rows, want_rows) and _rel(pool, want_pool) < tol and _rel(hidden, want_hidden) < tol
+    with torch.no_grad():
+        d.layers[1].input_layernorm.weight.mul_(3.0)
+    assert _rel(_draft_step(d, _spied_triton([]))[2], want_hidden) > 1e-2
 
 
 @pytest.mark.parametrize("variant", [{}, {"q_lora_rank": 24}])
