@@ -66,18 +66,17 @@ class DSparkDecoderLayer(nn.Module):
         rope: the block's (cos, sin) (`RotaryEmbedding.cos_sin`) where `fuses_rope_append`: the
         backend norms, rotates and appends in one launch (`forward_rope` / `forward_mla_rope`)."""
         a, r, n = self.self_attn, self.regions, self.input_layernorm
-        if rope is not None and not self.fuses_rope_append(backend):
-            raise ValueError(f"a fused RoPE append needs a layer with regions (GQA: q / k norms; MLA: absorbed) "
-                             f"on a backend with fused_rope_append ({backend.name})")
         if rope is not None:
+            if not self.fuses_rope_append(backend):
+                raise ValueError(f"a fused RoPE append needs a layer with regions (GQA: q / k norms; MLA: absorbed) "
+                                 f"on a backend with fused_rope_append ({backend.name})")
             return self.attend_parts(self.attention_parts(h), rope, kv_cache, md, backend)
         tables = a.rotary.tables(positions.device)
         if isinstance(a, MLAAttention):
             if not a.absorb:
                 return a.attend(n(h), positions, kv_cache, md, backend)
-            q, latent = r.mla_attention_inputs(h, n.weight, n.eps, *a.projection_weights(), *self._mla_dims(),
-                                               a.absorbed_w_uk(), a.kv_a_layernorm.weight, positions, *tables,
-                                               a.rotary.interleaved)
+            q, latent = r.mla_attention_inputs(h, *self._parts_args(), a.absorbed_w_uk(), a.kv_a_layernorm.weight,
+                                               positions, *tables, a.rotary.interleaved)
             return a.attend_absorbed(q, latent, kv_cache, md, backend)
         q, k, v = r.gqa_attention_inputs(h, n.weight, *a._qkv, a.q_norm.weight, a.k_norm.weight, n.eps, positions,
                                          *tables, a.rotary.interleaved, a.num_heads, a.num_kv_heads, a.head_dim)
@@ -86,12 +85,9 @@ class DSparkDecoderLayer(nn.Module):
     # ---- the fused-append path, cut at each attention (`DSparkForCausalLM.forward_block`) ----------
     def attention_parts(self, h: torch.Tensor) -> AttentionParts:
         """h [T, hidden] residual stream -> this layer's `AttentionParts` (a `fuses_rope_append` layer)."""
-        a, n = self.self_attn, self.input_layernorm
-        if isinstance(a, MLAAttention):
-            return AttentionParts(self.regions.mla_attention_parts(h, n.weight, n.eps, *a.projection_weights(),
-                                                                   *self._mla_dims()))
-        return AttentionParts(self.regions.qkv(h, n.weight, n.eps, *a._qkv, None, None, a.num_heads,
-                                               a.num_kv_heads, a.head_dim))
+        r = self.regions
+        region = r.mla_attention_parts if isinstance(self.self_attn, MLAAttention) else r.qkv
+        return AttentionParts(region(h, *self._parts_args()))
 
     def attend_parts(self, parts: AttentionParts, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
                      md: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
@@ -105,13 +101,9 @@ class DSparkDecoderLayer(nn.Module):
                           ) -> tuple[torch.Tensor, AttentionParts]:
         """This layer's output, then `nxt`'s `AttentionParts`, as one region (`output_then_qkv` /
         `mla_output_then_parts`): h [T, hidden], o [T, Hq * Dv] -> (h [T, hidden], nxt's parts)."""
-        b, m = nxt.self_attn, nxt.input_layernorm
-        if isinstance(b, MLAAttention):
-            h, *p = self.regions.mla_output_then_parts(*self._output_args(h, o), m.weight, *b.projection_weights(),
-                                                       *nxt._mla_dims())
-        else:
-            h, *p = self.regions.output_then_qkv(*self._output_args(h, o), m.weight, m.eps, *b._qkv, None, None,
-                                                 b.num_heads, b.num_kv_heads, b.head_dim)
+        r = self.regions
+        region = r.mla_output_then_parts if isinstance(nxt.self_attn, MLAAttention) else r.output_then_qkv
+        h, *p = region(*self._output_args(h, o), *nxt._parts_args())
         return h, AttentionParts(tuple(p))
 
     def output_then_norm(self, h: torch.Tensor, o: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
@@ -123,6 +115,14 @@ class DSparkDecoderLayer(nn.Module):
         a, n = self.self_attn, self.post_attention_layernorm
         o_w = a.output_weight() if isinstance(a, MLAAttention) else a.o_proj.weight
         return h, o, o_w, n.weight, n.eps, self.mlp._gate_up, self.mlp.down_proj.weight
+
+    def _parts_args(self) -> tuple:
+        """The parts region's arguments after h (`mla_attention_parts` / `qkv`; the joined regions take the
+        same after the output's): (norm_w, eps, projection weights..., dims...)."""
+        a, n = self.self_attn, self.input_layernorm
+        if isinstance(a, MLAAttention):
+            return n.weight, n.eps, *a.projection_weights(), *self._mla_dims()
+        return n.weight, n.eps, *a._qkv, None, None, a.num_heads, a.num_kv_heads, a.head_dim
 
     def _mla_dims(self) -> tuple[int, int, int, int]:
         """(heads, q_first_dim, kv_lora_rank, qk_rope_head_dim) of an MLA layer."""

@@ -183,16 +183,16 @@ def mla_attention_inputs(h: torch.Tensor, norm_w: torch.Tensor, eps: float, q_a_
 
 
 def mla_output_then_parts(h: torch.Tensor, o: torch.Tensor, o_w: torch.Tensor, norm_w: torch.Tensor, eps: float,
-                          gate_up_w: torch.Tensor, down_w: torch.Tensor, next_norm_w: torch.Tensor,
+                          gate_up_w: torch.Tensor, down_w: torch.Tensor, next_norm_w: torch.Tensor, next_eps: float,
                           q_a_w: Optional[torch.Tensor], q_a_norm_w: Optional[torch.Tensor], q_w: torch.Tensor,
                           kv_a_w: Optional[torch.Tensor], heads: int, first: int, kv_lora_rank: int, rope_dim: int
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One layer's output (`layer_output`), then the next MLA layer's `mla_attention_parts` (its weights
-    and dims as there, next_norm_w its input_layernorm), as one region: compiled, the residual add and the
+    """One layer's output (`layer_output`), then the next MLA layer's `mla_attention_parts` (its input norm
+    next_norm_w / next_eps, weights and dims as there), as one region: compiled, the residual add and the
     next layer's RMSNorm are one kernel. Returns (h [T, H], q_first, q_pe, raw latent)."""
     h = layer_output(h, o, o_w, norm_w, eps, gate_up_w, down_w)
-    return (h, *mla_attention_parts(h, next_norm_w, eps, q_a_w, q_a_norm_w, q_w, kv_a_w, heads, first, kv_lora_rank,
-                                    rope_dim))
+    return (h, *mla_attention_parts(h, next_norm_w, next_eps, q_a_w, q_a_norm_w, q_w, kv_a_w, heads, first,
+                                    kv_lora_rank, rope_dim))
 
 
 def output_then_norm(h: torch.Tensor, o: torch.Tensor, o_w: torch.Tensor, norm_w: torch.Tensor, eps: float,
