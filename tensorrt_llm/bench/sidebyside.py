@@ -17,7 +17,8 @@ applied by the engine's tokenizer), so every arm sees the same prompts.
 
 Per arm and level the summary gives the median and min-max over rounds of output tok/s, TPOT and
 the acceptance length (AL, speculative arms), and the ratio of the median tok/s to that of a
-reference arm (``--ratio-to``). ``--anchor FILE`` also runs the compiled-step anchor script (a
+reference arm (``--ratio-to``) with the spread of the same-round ratios (each round's row over the
+reference arm's row of that round). ``--anchor FILE`` also runs the compiled-step anchor script (a
 gpt-fast-style step, random weights) once in a subprocess, after the rounds (the arms' processes
 closed), and reports its step-only ceiling (batch x 1000 / decode-step ms). The JSON report and
 the markdown table are rewritten after every round, so a run cut short still leaves its complete
@@ -143,9 +144,15 @@ def summarize(rows: Sequence[dict], arm_order: Sequence[str], ratio_to: Optional
                         "acceptance_length": _spread([_al(r) for r in rs]), "steps": _steps(rs)})
     if ratio_to is not None:
         ref = {e["concurrency"]: e["output_tok_s"]["median"] for e in out if e["arm"] == ratio_to}
+        # the same round's reference row: arms measured minutes apart, not a whole run apart
+        by_round = {(r["concurrency"], r["round"]): r["output_tok_s"] for r in rows if r["arm"] == ratio_to}
         for e in out:
             base = ref.get(e["concurrency"])
-            e["ratio_to"] = {"arm": ratio_to, "median_over_median": e["output_tok_s"]["median"] / base} if base else None
+            paired = [r["output_tok_s"] / by_round[(r["concurrency"], r["round"])] for r in rows
+                      if r["arm"] == e["arm"] and r["concurrency"] == e["concurrency"]
+                      and (r["concurrency"], r["round"]) in by_round]
+            e["ratio_to"] = {"arm": ratio_to, "median_over_median": e["output_tok_s"]["median"] / base,
+                             "per_round": _spread(paired)} if base else None
     return out
 
 
@@ -154,6 +161,14 @@ def _fmt(s: Optional[dict], digits: int, scale: float = 1.0) -> str:
         return "-"
     f = f"{{:,.{digits}f}}"
     return f"{f.format(s['median'] * scale)} ({f.format(s['min'] * scale)}-{f.format(s['max'] * scale)})"
+
+
+def _ratio_cell(ratio: Optional[dict]) -> str:
+    """The median-over-median ratio, then the min-max of the same-round ratios when there are several."""
+    if not ratio:
+        return "-"
+    cell, pr = f"{ratio['median_over_median']:.2f}", ratio.get("per_round")
+    return cell + (f" (rounds {pr['min']:.2f}-{pr['max']:.2f})" if pr and pr["n"] > 1 else "")
 
 
 def format_compact(summary: Sequence[dict]) -> str:
@@ -185,7 +200,7 @@ def format_markdown(summary: Sequence[dict], anchor: Optional[dict] = None) -> s
                  " / ".join(f"{1e3 * t['median']:.1f}" for t in ttft) if all(ttft) else "-",
                  _fmt(e["acceptance_length"], 2)]
         if ratio_arm:
-            cells.append(f"{e['ratio_to']['median_over_median']:.2f}" if e.get("ratio_to") else "-")
+            cells.append(_ratio_cell(e.get("ratio_to")))
         lines.append("| " + " | ".join(cells) + " |")
     steps = [e for e in summary if e.get("steps")]
     if steps:

@@ -44,6 +44,8 @@ def test_summarize_median_min_max_and_ratio():
     assert spec1["acceptance_length"] == {"median": 2.5, "min": 2.0, "max": 3.0, "n": 3}
     assert spec1["tpot_mean_s"]["median"] == pytest.approx(0.020)
     assert spec1["ratio_to"]["median_over_median"] == pytest.approx(110.0 / 55.0)
+    # same-round ratios 100/50, 110/55, 400/60: their median 2.0, not the 6.67 of round 2 alone
+    assert spec1["ratio_to"]["per_round"] == pytest.approx({"median": 2.0, "min": 2.0, "max": 400.0 / 60.0, "n": 3})
     assert out[0]["acceptance_length"] is None and out[0]["ratio_to"]["median_over_median"] == 1.0
     assert out[2]["output_tok_s"]["median"] == 2500.0           # even count: midpoint
     assert out[2]["ratio_to"] is None                            # no base row at C=16
@@ -51,7 +53,7 @@ def test_summarize_median_min_max_and_ratio():
     lines = md.splitlines()
     assert len(lines) == 2 + 3 and "x base" in lines[0]
     assert spec1["ttft_mean_s"]["median"] == pytest.approx(0.004) and spec1["ttft_p99_s"]["max"] == pytest.approx(0.027)
-    assert "| spec | 1 | 3 | 16 | 110 (100-400) | 20.00 (10.00-30.00) | 4.0 / 12.0 | 2.50 (2.00-3.00) | 2.00 |" in lines
+    assert "| spec | 1 | 3 | 16 | 110 (100-400) | 20.00 (10.00-30.00) | 4.0 / 12.0 | 2.50 (2.00-3.00) | 2.00 (rounds 2.00-6.67) |" in lines
     assert "| spec | 16 | 4 | 16 | 2,500 (1,000-4,000) | - | - | 2.80 (2.80-2.80) | - |" in lines
     compact = sbs.format_compact(out).splitlines()
     assert compact[0] == "| arm | C=1 tok/s | C=16 tok/s | AL |"
