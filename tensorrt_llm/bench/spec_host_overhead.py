@@ -1,0 +1,183 @@
+"""Per-step host (Python) time of a steady-state DSpark step, measured on the CPU.
+
+    python -m tensorrt_llm.bench.spec_host_overhead --model DIR --drafter DIR [--batch-sizes 1 16 64] [--json out.json]
+
+On the H200 a one-graph DSpark step at batch 64 runs ~2 ms of GPU work, and the host's share of the
+same step (launch, reading the step in flight, per-request bookkeeping) is about as long, so the host
+decides the step time (`docs/performance.md`, known bottlenecks). This runs the real engine on the
+CPU (`LLM`, overlap scheduler, the one-graph step without CUDA graphs: `SpecStepGraph.run` replays
+its forward directly) and times the steps of a batch that is all generating: every request
+submitted at once, `ignore_eos`, timing from `--warmup` steps after the last prompt chunk for
+`--steps` steps (a request finishing inside them restarts the count), then aborting the requests. The one-graph forward (the GPU's work on a
+GPU: target verify, acceptance, the drafter block) is timed apart and subtracted. Components per
+step, in milliseconds:
+
+    schedule       Scheduler.schedule
+    segments       build_segments (each request's next segment, its drafts on the device)
+    graph_inputs   the target runner's plan + load_inputs, the draft block's prepare_block
+    launch_other   the rest of the one-graph launch (SpecStepGraph.run without the forward)
+    complete       reading the step in flight and applying it (acceptance, append + stop criteria,
+                   KV commit, drafts attached): PyExecutor._complete_part
+    other          the rest of PyExecutor.step
+    host           the step without the forward (the sum of the above)
+    forward        the one-graph forward (not host time; CPU compute here)
+
+Each value is the mean per timed step of one run, the minimum over `--rounds` runs (other load on
+the machine only ever adds time). The model's size changes only `forward`; a tiny random target
+and drafter measure the same host path.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+COMPONENTS = ("schedule", "segments", "graph_inputs", "launch_other", "complete", "other", "host", "forward")
+
+
+class _Timer:
+    """Seconds per key while `on`, and the current step's enter / exit times per key (wrapping bound
+    methods on instances only)."""
+
+    def __init__(self):
+        self.acc: dict[str, float] = {}
+        self.marks: dict[str, float] = {}
+        self.on = False
+
+    def add(self, key: str, dt: float) -> None:
+        if self.on:
+            self.acc[key] = self.acc.get(key, 0.0) + dt
+
+    def wrap(self, fn: Callable, key: str) -> Callable:
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                t1 = time.perf_counter()
+                self.add(key, t1 - t0)
+                self.marks.setdefault(key + "_enter", t0)
+                self.marks[key + "_exit"] = t1
+        return timed
+
+
+def run_once(args: argparse.Namespace, batch: int, seed: int) -> dict[str, float]:
+    """Mean ms per timed step of each component, for one fresh engine."""
+    from ..llmapi import LLM
+    from ..sampling_params import SamplingParams
+
+    llm = LLM(args.model, device="cpu", max_batch_size=batch, disable_overlap_scheduler=False,
+              kv_cache_config={"max_tokens": batch * (args.prompt_len + args.max_tokens + 64) + 1024,
+                               "tokens_per_block": args.tokens_per_block},
+              speculative_config={"decoding_type": "DSpark", "speculative_model": args.drafter})
+    try:
+        ex, timer = llm._executor, _Timer()
+        spec = ex.engine.spec_step
+        if spec is None:
+            raise ValueError(f"drafter {args.drafter} runs no one-graph step here (docs/dspark.md)")
+        ex.scheduler.schedule = timer.wrap(ex.scheduler.schedule, "schedule")
+        ex._complete_part = timer.wrap(ex._complete_part, "complete")
+        spec.target.plan = timer.wrap(spec.target.plan, "graph_inputs")
+        spec.target.load_inputs = timer.wrap(spec.target.load_inputs, "graph_inputs")
+        spec.draft.prepare_block = timer.wrap(spec.draft.prepare_block, "graph_inputs")
+        spec.graphs.replay = timer.wrap(spec.graphs.replay, "forward")
+        ex.engine.forward_spec = timer.wrap(ex.engine.forward_spec, "launch")
+        rng = random.Random(seed)
+        prompts = [[rng.randrange(3, 400) for _ in range(args.prompt_len)] for _ in range(batch)]
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+        step, state = ex.step, {"steady": 0, "timed": 0}
+
+        def timed_step() -> None:
+            sched = ex.scheduler
+            steady = len(sched.running) == batch and not sched.waiting and \
+                all(r.remaining_prompt() == 0 for r in sched.running)
+            state["steady"] = state["steady"] + 1 if steady else 0
+            timer.on = args.warmup <= state["steady"] < args.warmup + args.steps
+            timer.marks.clear()
+            kept = dict(timer.acc)
+            t0 = time.perf_counter()
+            step()
+            m = timer.marks
+            if timer.on and "launch_enter" not in m:    # launched nothing (requests ending): not counted
+                timer.acc = kept
+            elif timer.on:
+                timer.add("step", time.perf_counter() - t0)
+                timer.add("segments", m["launch_enter"] - m["schedule_exit"])
+                state["timed"] += 1
+                if state["timed"] == args.steps:    # the window is complete: the rest is not measured
+                    for r in sched.running:
+                        ex.abort(r.request_id)
+            timer.on = False
+        ex.step = timed_step
+        llm.generate(prompts, params)
+    finally:
+        llm.shutdown()
+    n = state["timed"]
+    if n < args.steps:
+        raise ValueError(f"only {n} of {args.steps} steps were timed: raise --max-tokens or lower --warmup / --steps")
+    g = {k: v * 1e3 / n for k, v in timer.acc.items()}
+    get = lambda k: g.get(k, 0.0)  # noqa: E731
+    out = {"schedule": get("schedule"), "segments": get("segments"), "graph_inputs": get("graph_inputs"),
+           "launch_other": get("launch") - get("graph_inputs") - get("forward"), "complete": get("complete"),
+           "forward": get("forward"), "host": get("step") - get("forward")}
+    out["other"] = out["host"] - sum(out[k] for k in ("schedule", "segments", "graph_inputs", "launch_other",
+                                                       "complete"))
+    return out
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(args.threads)
+    results = {}
+    for b in args.batch_sizes:
+        runs = [run_once(args, b, seed=r) for r in range(args.rounds)]
+        results[str(b)] = {k: min(r[k] for r in runs) for k in COMPONENTS}
+    return {"ms_per_step": results, "config": {k: v for k, v in vars(args).items() if k != "json"},
+            "machine": {"python": platform.python_version(), "torch": torch.__version__,
+                        "processor": platform.processor() or platform.machine()}}
+
+
+def format_table(results: dict[str, dict[str, float]]) -> str:
+    bs = list(results)
+    lines = ["| ms per step | " + " | ".join(f"B={b}" for b in bs) + " |", "|---|" + "---|" * len(bs)]
+    for c in COMPONENTS:
+        lines.append(f"| {c} | " + " | ".join(f"{results[b][c]:.3f}" for b in bs) + " |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="target checkpoint folder")
+    ap.add_argument("--drafter", required=True, help="DSpark drafter checkpoint folder")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=256, help="per request (a bound: the requests are aborted "
+                    "after the timed steps)")
+    ap.add_argument("--warmup", type=int, default=4, help="steady steps before timing starts")
+    ap.add_argument("--steps", type=int, default=40, help="timed steps per run")
+    ap.add_argument("--rounds", type=int, default=3, help="fresh runs per batch size (minimum reported)")
+    ap.add_argument("--tokens-per-block", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=4, help="torch intra-op threads")
+    ap.add_argument("--json", default=None, help="write results here")
+    args = ap.parse_args(argv)
+    if min(args.batch_sizes) < 1 or args.steps < 1 or args.rounds < 1:
+        raise ValueError("--batch-sizes, --steps and --rounds must be >= 1")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    out = measure(args)
+    print(format_table(out["ms_per_step"]))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return out
+
+
+if __name__ == "__main__":
+    main()
