@@ -1,6 +1,7 @@
 """Per-step host (Python) time of a steady-state DSpark step, measured on the CPU.
 
     python -m tensorrt_llm.bench.spec_host_overhead --model DIR --drafter DIR [--batch-sizes 1 16 64] [--json out.json]
+    python -m tensorrt_llm.bench.spec_host_overhead ... --waves 4     # steps with arriving prompts vs without
 
 On the H200 a one-graph DSpark step at batch 64 runs ~2 ms of GPU work, and the host's share of the
 same step (launch, reading the step in flight, per-request bookkeeping) is about as long, so the host
@@ -22,6 +23,10 @@ step, in milliseconds:
     host           the step without the forward (the sum of the above)
     forward        the one-graph forward (not host time; CPU compute here)
 
+With `--waves W` it measures the steps of a batch with arrivals instead (`run_arrivals`): host ms
+per step with a prompt chunk (the one-graph step with prompts inside, `MixedSpecGraph`, or beside it)
+and without, and how many of each were timed.
+
 Each value is the mean per timed step of one run, the minimum over `--rounds` runs (other load on
 the machine only ever adds time). The model's size changes only `forward`; a tiny random target
 and drafter measure the same host path.
@@ -39,6 +44,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 COMPONENTS = ("schedule", "segments", "graph_inputs", "launch_other", "complete", "other", "host", "forward")
+ARRIVAL_COLUMNS = ("host_plain", "host_prompt", "steps_plain", "steps_prompt")
 
 
 class _Timer:
@@ -131,12 +137,70 @@ def run_once(args: argparse.Namespace, batch: int, seed: int) -> dict[str, float
     return out
 
 
+def run_arrivals(args: argparse.Namespace, batch: int, seed: int) -> dict[str, float]:
+    """Host ms per step with and without an arriving prompt chunk, for one fresh engine: `--waves` x
+    batch requests queued at once with lengths drawn from [--min-tokens, --max-tokens], so requests end
+    at different steps and each end admits a waiting prompt, as at a fixed concurrency. Timed from the
+    first step without a prompt chunk until the queue is empty. Not counted as host time: the
+    forwards (both graph forms' and any prompt forward beside them) and, with prompts, making the
+    step's graph inputs anew (a GPU replays a captured entry instead: `MixedSpecGraph._new_entry`)."""
+    from ..llmapi import LLM
+    from ..sampling_params import SamplingParams
+
+    llm = LLM(args.model, device="cpu", max_batch_size=batch, disable_overlap_scheduler=False,
+              kv_cache_config={"max_tokens": batch * (args.prompt_len + args.max_tokens + 64) + 1024,
+                               "tokens_per_block": args.tokens_per_block},
+              speculative_config={"decoding_type": "DSpark", "speculative_model": args.drafter})
+    try:
+        ex, timer = llm._executor, _Timer()
+        engine = ex.engine
+        if engine.spec_step is None or engine.mixed_step is None:
+            raise ValueError(f"drafter {args.drafter} runs no one-graph step with prompts here (docs/dspark.md)")
+        engine.spec_step.graphs.replay = timer.wrap(engine.spec_step.graphs.replay, "forward")
+        engine.mixed_step.graphs.replay = timer.wrap(engine.mixed_step.graphs.replay, "forward")
+        engine.mixed_step._new_entry = timer.wrap(engine.mixed_step._new_entry, "forward")
+        engine.forward = timer.wrap(engine.forward, "forward")
+        rng = random.Random(seed)
+        n = args.waves * batch
+        prompts = [[rng.randrange(3, 400) for _ in range(args.prompt_len)] for _ in range(n)]
+        params = [SamplingParams(max_tokens=rng.randint(args.min_tokens, args.max_tokens), temperature=0.0,
+                                 ignore_eos=True) for _ in range(n)]
+        step, acc, started = ex.step, {"plain": [0, 0.0], "prompt": [0, 0.0]}, [False]
+
+        def timed_step() -> None:
+            timer.on = started[0] and bool(ex.scheduler.waiting)
+            forward0, prompts0 = timer.acc.get("forward", 0.0), ex.prompt_steps
+            t0 = time.perf_counter()
+            step()
+            with_prompt = ex.prompt_steps != prompts0
+            if timer.on:
+                kind = acc["prompt" if with_prompt else "plain"]
+                kind[0] += 1
+                kind[1] += time.perf_counter() - t0 - (timer.acc.get("forward", 0.0) - forward0)
+            started[0] = started[0] or (prompts0 > 0 and not with_prompt)   # the first batch's prompts are in
+            timer.on = False
+        ex.step = timed_step
+        llm.generate(prompts, params)
+    finally:
+        llm.shutdown()
+    (n_plain, t_plain), (n_prompt, t_prompt) = acc["plain"], acc["prompt"]
+    if not n_plain or not n_prompt:
+        raise ValueError(f"{n_plain} steps without and {n_prompt} with a prompt chunk were timed: "
+                         "raise --waves or widen --min-tokens .. --max-tokens")
+    return {"host_plain": 1e3 * t_plain / n_plain, "host_prompt": 1e3 * t_prompt / n_prompt,
+            "steps_plain": n_plain, "steps_prompt": n_prompt}
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     results = {}
     for b in args.batch_sizes:
-        runs = [run_once(args, b, seed=r) for r in range(args.rounds)]
-        results[str(b)] = {k: min(r[k] for r in runs) for k in COMPONENTS}
+        if args.waves:
+            runs = [run_arrivals(args, b, seed=r) for r in range(args.rounds)]
+            results[str(b)] = {k: min(r[k] for r in runs) for k in ARRIVAL_COLUMNS}
+        else:
+            runs = [run_once(args, b, seed=r) for r in range(args.rounds)]
+            results[str(b)] = {k: min(r[k] for r in runs) for k in COMPONENTS}
     return {"ms_per_step": results, "config": {k: v for k, v in vars(args).items() if k != "json"},
             "machine": {"python": platform.python_version(), "torch": torch.__version__,
                         "processor": platform.processor() or platform.machine()}}
@@ -145,7 +209,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 def format_table(results: dict[str, dict[str, float]]) -> str:
     bs = list(results)
     lines = ["| ms per step | " + " | ".join(f"B={b}" for b in bs) + " |", "|---|" + "---|" * len(bs)]
-    for c in COMPONENTS:
+    for c in results[bs[0]]:
         lines.append(f"| {c} | " + " | ".join(f"{results[b][c]:.3f}" for b in bs) + " |")
     return "\n".join(lines)
 
@@ -161,12 +225,18 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=4, help="steady steps before timing starts")
     ap.add_argument("--steps", type=int, default=40, help="timed steps per run")
     ap.add_argument("--rounds", type=int, default=3, help="fresh runs per batch size (minimum reported)")
+    ap.add_argument("--waves", type=int, default=0, help="arrivals mode: waves x B requests of lengths drawn from "
+                    "[--min-tokens, --max-tokens], host ms of steps with and without a prompt chunk")
+    ap.add_argument("--min-tokens", type=int, default=16, help="arrivals mode: the shortest request")
     ap.add_argument("--tokens-per-block", type=int, default=32)
     ap.add_argument("--threads", type=int, default=4, help="torch intra-op threads")
     ap.add_argument("--json", default=None, help="write results here")
     args = ap.parse_args(argv)
     if min(args.batch_sizes) < 1 or args.steps < 1 or args.rounds < 1:
         raise ValueError("--batch-sizes, --steps and --rounds must be >= 1")
+    if args.waves < 0 or (args.waves and not 1 <= args.min_tokens <= args.max_tokens):
+        raise ValueError(f"--waves must be >= 0 and 1 <= --min-tokens <= --max-tokens, got {args.waves}, "
+                         f"{args.min_tokens}, {args.max_tokens}")
     return args
 
 
