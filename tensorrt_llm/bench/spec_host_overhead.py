@@ -143,7 +143,8 @@ def run_arrivals(args: argparse.Namespace, batch: int, seed: int) -> dict[str, f
     at different steps and each end admits a waiting prompt, as at a fixed concurrency. Timed from the
     first step without a prompt chunk until the queue is empty. Not counted as host time: the
     forwards (both graph forms' and any prompt forward beside them) and, with prompts, making the
-    step's graph inputs anew (a GPU replays a captured entry instead: `MixedSpecGraph._new_entry`)."""
+    step's graph inputs anew (a GPU replays a captured entry instead: `MixedSpecGraph._new_entry`), and for
+    prompts beside the one-graph step their draft launch and the drafter's draft-context write."""
     from ..llmapi import LLM
     from ..sampling_params import SamplingParams
 
@@ -160,6 +161,10 @@ def run_arrivals(args: argparse.Namespace, batch: int, seed: int) -> dict[str, f
         engine.mixed_step.graphs.replay = timer.wrap(engine.mixed_step.graphs.replay, "forward")
         engine.mixed_step._new_entry = timer.wrap(engine.mixed_step._new_entry, "forward")
         engine.forward = timer.wrap(engine.forward, "forward")
+        # prompts beside the one-graph step: their draft launch and eager draft-context write (device work)
+        drafter = ex.drafter
+        drafter.graph_runner.graphs.replay = timer.wrap(drafter.graph_runner.graphs.replay, "forward")
+        drafter._write_context = timer.wrap(drafter._write_context, "forward")
         rng = random.Random(seed)
         n = args.waves * batch
         prompts = [[rng.randrange(3, 400) for _ in range(args.prompt_len)] for _ in range(n)]
