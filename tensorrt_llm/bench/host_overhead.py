@@ -132,7 +132,7 @@ class _HostGraphCache(GraphCache):
     """A graph cache whose "replay" runs the fake model on the entry's persistent inputs (timed apart:
     the GPU work), so the real runner's host path runs without CUDA."""
 
-    def __init__(self, timer: "_Timer"):
+    def __init__(self, timer: "StepTimer"):
         super().__init__(torch.device("cpu"))
         self.timer = timer
 
@@ -151,14 +151,14 @@ class _HostGraphCache(GraphCache):
 class _HostGraphRunner(CUDAGraphRunner):
     """The real runner with CPU buffers and a fake replay (no CUDA needed)."""
 
-    def __init__(self, timer: "_Timer", *args, **kwargs):
+    def __init__(self, timer: "StepTimer", *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.device = torch.device("cpu")    # built for "cuda" (its check), buffers on the CPU
         self.graphs = _HostGraphCache(timer)
 
 
 # ---- timing ---------------------------------------------------------------------------------------
-class _Timer:
+class StepTimer:
     """Accumulates seconds per key while `on`; `marks` holds the current step's timestamps."""
 
     def __init__(self):
@@ -185,8 +185,8 @@ class _Timer:
 
 def build(batch: int, tok: TokenizerWrapper, stream: list[int], streaming: bool, prompt_len: int,
           max_tokens: int, tokens_per_block: int, max_seq_len: int, max_batch_size: int, seed: int
-          ) -> tuple[PyExecutor, _Timer]:
-    timer = _Timer()
+          ) -> tuple[PyExecutor, StepTimer]:
+    timer = StepTimer()
     per_req = -(-(prompt_len + max_tokens + 2) // tokens_per_block)
     kv = KVCacheManager([KVCacheSpec("target", "gqa", 1, 2, 1, 1, torch.float32)], batch * per_req + 64,
                         tokens_per_block, max_seq_len, torch.device("cpu"), enable_block_reuse=True,

@@ -167,7 +167,7 @@ def _ratio_cell(ratio: Optional[dict]) -> str:
     """The median-over-median ratio, then the min-max of the same-round ratios when there are several."""
     if not ratio:
         return "-"
-    cell, pr = f"{ratio['median_over_median']:.2f}", ratio.get("per_round")
+    cell, pr = f"{ratio['median_over_median']:.2f}", ratio["per_round"]
     return cell + (f" (rounds {pr['min']:.2f}-{pr['max']:.2f})" if pr and pr["n"] > 1 else "")
 
 

@@ -39,61 +39,42 @@ import platform
 import random
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
+
+from .host_overhead import StepTimer
 
 COMPONENTS = ("schedule", "segments", "graph_inputs", "launch_other", "complete", "other", "host", "forward")
 ARRIVAL_COLUMNS = ("host_plain", "host_prompt", "steps_plain", "steps_prompt")
 
 
-class _Timer:
-    """Seconds per key while `on`, and the current step's enter / exit times per key (wrapping bound
-    methods on instances only)."""
-
-    def __init__(self):
-        self.acc: dict[str, float] = {}
-        self.marks: dict[str, float] = {}
-        self.on = False
-
-    def add(self, key: str, dt: float) -> None:
-        if self.on:
-            self.acc[key] = self.acc.get(key, 0.0) + dt
-
-    def wrap(self, fn: Callable, key: str) -> Callable:
-        def timed(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                t1 = time.perf_counter()
-                self.add(key, t1 - t0)
-                self.marks.setdefault(key + "_enter", t0)
-                self.marks[key + "_exit"] = t1
-        return timed
+def _build_llm(args: argparse.Namespace, batch: int) -> Any:
+    """The engine under test on the CPU: overlap scheduler on, the DSpark drafter, room for the batch."""
+    from ..llmapi import LLM
+    return LLM(args.model, device="cpu", max_batch_size=batch, disable_overlap_scheduler=False,
+               kv_cache_config={"max_tokens": batch * (args.prompt_len + args.max_tokens + 64) + 1024,
+                                "tokens_per_block": args.tokens_per_block},
+               speculative_config={"decoding_type": "DSpark", "speculative_model": args.drafter})
 
 
 def run_once(args: argparse.Namespace, batch: int, seed: int) -> dict[str, float]:
     """Mean ms per timed step of each component, for one fresh engine."""
-    from ..llmapi import LLM
     from ..sampling_params import SamplingParams
 
-    llm = LLM(args.model, device="cpu", max_batch_size=batch, disable_overlap_scheduler=False,
-              kv_cache_config={"max_tokens": batch * (args.prompt_len + args.max_tokens + 64) + 1024,
-                               "tokens_per_block": args.tokens_per_block},
-              speculative_config={"decoding_type": "DSpark", "speculative_model": args.drafter})
+    llm = _build_llm(args, batch)
     try:
-        ex, timer = llm._executor, _Timer()
+        ex, timer = llm._executor, StepTimer()
         spec = ex.engine.spec_step
         if spec is None:
             raise ValueError(f"drafter {args.drafter} runs no one-graph step here (docs/dspark.md)")
-        ex.scheduler.schedule = timer.wrap(ex.scheduler.schedule, "schedule")
+        ex.scheduler.schedule = timer.wrap(ex.scheduler.schedule, "schedule", mark=True)
         ex._complete_part = timer.wrap(ex._complete_part, "complete")
         spec.target.plan = timer.wrap(spec.target.plan, "graph_inputs")
         spec.target.load_inputs = timer.wrap(spec.target.load_inputs, "graph_inputs")
         spec.draft.prepare_block = timer.wrap(spec.draft.prepare_block, "graph_inputs")
         spec.graphs.replay = timer.wrap(spec.graphs.replay, "forward")
-        ex.engine.forward_spec = timer.wrap(ex.engine.forward_spec, "launch")
+        ex.engine.forward_spec = timer.wrap(ex.engine.forward_spec, "launch", mark=True)
         rng = random.Random(seed)
         prompts = [[rng.randrange(3, 400) for _ in range(args.prompt_len)] for _ in range(batch)]
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
@@ -145,15 +126,11 @@ def run_arrivals(args: argparse.Namespace, batch: int, seed: int) -> dict[str, f
     forwards (both graph forms' and any prompt forward beside them) and, with prompts, making the
     step's graph inputs anew (a GPU replays a captured entry instead: `MixedSpecGraph._new_entry`), and for
     prompts beside the one-graph step their draft launch and the drafter's draft-context write."""
-    from ..llmapi import LLM
     from ..sampling_params import SamplingParams
 
-    llm = LLM(args.model, device="cpu", max_batch_size=batch, disable_overlap_scheduler=False,
-              kv_cache_config={"max_tokens": batch * (args.prompt_len + args.max_tokens + 64) + 1024,
-                               "tokens_per_block": args.tokens_per_block},
-              speculative_config={"decoding_type": "DSpark", "speculative_model": args.drafter})
+    llm = _build_llm(args, batch)
     try:
-        ex, timer = llm._executor, _Timer()
+        ex, timer = llm._executor, StepTimer()
         engine = ex.engine
         if engine.spec_step is None or engine.mixed_step is None:
             raise ValueError(f"drafter {args.drafter} runs no one-graph step with prompts here (docs/dspark.md)")
