@@ -71,6 +71,31 @@ def _spec_delta(before: Optional[dict], after: Optional[dict]) -> Optional[dict]
 
 
 # ---- the engine arm ----------------------------------------------------------------------
+class GcPasses:
+    """The garbage collector's passes while a level runs (`gc.callbacks`): per generation, how many and
+    their seconds. A pass stops every thread, the engine's too, so an oldest-generation one over a large
+    heap shows up as a slow level."""
+
+    def __enter__(self) -> "GcPasses":
+        self.counts, self.seconds, self._t0 = [0, 0, 0], [0.0, 0.0, 0.0], 0.0
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":      # passes do not nest: one runs at a time, under the GIL
+            self._t0 = time.perf_counter()
+        else:
+            g = info["generation"]
+            self.counts[g] += 1
+            self.seconds[g] += time.perf_counter() - self._t0
+
+    def report(self) -> dict[str, list]:
+        return {"passes": list(self.counts), "seconds": [round(x, 6) for x in self.seconds]}
+
+
 def run_concurrency(llm: LLM, prompts: Sequence[list[int]], concurrency: int,
                     params: SamplingParams, request_timeout_s: Optional[float] = None) -> dict[str, Any]:
     """Run all ``prompts`` with at most ``concurrency`` in flight; return one result row.
@@ -106,12 +131,13 @@ def run_concurrency(llm: LLM, prompts: Sequence[list[int]], concurrency: int,
     spec_before, steps_before = stats_before.get("speculative"), stats_before["steps"]
     threads = [threading.Thread(target=client, daemon=True) for _ in range(min(concurrency, len(prompts)))]
     llm.reset_kv_peak()
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - start
+    with GcPasses() as gc_passes:
+        start = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        elapsed = time.perf_counter() - start
     stats_after = llm.get_stats()
     peak_pages = stats_after["kv_cache"]["peak_used_pages"]
     if failures:
@@ -137,6 +163,7 @@ def run_concurrency(llm: LLM, prompts: Sequence[list[int]], concurrency: int,
         "kv_capacity_tokens": cap["max_tokens"],
         "speculative": _spec_delta(spec_before, stats_after.get("speculative")),
         "steps": {k: stats_after["steps"][k] - v for k, v in steps_before.items()},
+        "gc": gc_passes.report(),
     }
 
 

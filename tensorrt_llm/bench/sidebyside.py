@@ -347,8 +347,11 @@ def run_sidebyside(args: argparse.Namespace, arms: Sequence[Arm], report_cb=None
                                                             args.request_timeout_s)
                         row.update(arm=arm.name, round=r, position=pos)
                         report["rows"].append(row)
-                        logger.warning("round %d %s C=%d: %.0f tok/s%s", r, arm.name, c, row["output_tok_s"],
-                                       f", AL {_al(row):.2f}" if _al(row) else "")
+                        full = row["gc"]["passes"][2] if "gc" in row else 0     # (HF rows carry none)
+                        logger.warning("round %d %s C=%d: %.0f tok/s%s%s", r, arm.name, c, row["output_tok_s"],
+                                       f", AL {_al(row):.2f}" if _al(row) else "",
+                                       f", {full} full GC pass(es), {1e3 * row['gc']['seconds'][2]:.0f} ms"
+                                       if full else "")
                 round_s = time.perf_counter() - r0
                 mark(f"round {r} done ({round_s:.0f} s)")
                 report["summary"] = summarize(report["rows"], [a.name for a in arms], args.ratio_to)

@@ -1,6 +1,7 @@
 """`trtllm-bench` in-process on a tiny random Llama, plus its concurrency limiter on a fake LLM."""
 from __future__ import annotations
 
+import gc
 import json
 import threading
 import time
@@ -196,6 +197,19 @@ def test_run_concurrency_caps_in_flight(c):
     assert row["num_requests"] == 10 and row["output_tokens"] == 50 and row["input_tokens"] == 30
     assert row["kv_peak_used_tokens"] == 32 * min(c, 10) and row["kv_capacity_tokens"] == 1024
     assert row["steps"] == {"total": 10, "eager": 10}        # the level's delta of get_stats()["steps"]
+
+
+def test_gc_passes_counts_the_collections_inside_it():
+    with bm.GcPasses() as passes:
+        gc.collect(0)
+        gc.collect(2)
+        gc.collect(2)
+    rep = passes.report()
+    assert rep["passes"][0] >= 1 and rep["passes"][2] == 2 and rep["seconds"][2] > 0
+    gc.collect(2)           # after the block: not counted (the callback is gone)
+    assert passes.report() == rep
+    row = bm.run_concurrency(_FakeLLM(hold=1), [[1, 2, 3]] * 2, 1, SamplingParams(max_tokens=5))
+    assert set(row["gc"]) == {"passes", "seconds"} and len(row["gc"]["passes"]) == 3
 
 
 def test_percentile_and_spec_delta():
