@@ -9,12 +9,13 @@ decides the step time (`docs/performance.md`, known bottlenecks). This runs the 
 CPU (`LLM`, overlap scheduler, the one-graph step without CUDA graphs: `SpecStepGraph.run` replays
 its forward directly) and times the steps of a batch that is all generating: every request
 submitted at once, `ignore_eos`, timing from `--warmup` steps after the last prompt chunk for
-`--steps` steps (a request finishing inside them restarts the count), then aborting the requests. The one-graph forward (the GPU's work on a
-GPU: target verify, acceptance, the drafter block) is timed apart and subtracted. Components per
-step, in milliseconds:
+`--steps` steps (a request finishing inside them restarts the count), then aborting the requests.
+The one-graph forward (the GPU's work on a GPU: target verify, acceptance, the drafter block) is
+timed apart and subtracted. Components per step, in milliseconds:
 
     schedule       Scheduler.schedule
-    segments       build_segments (each request's next segment, its drafts on the device)
+    segments       from the end of scheduling to the launch: which requests continue from the step
+                   in flight, and build_segments (each one's next segment, its drafts on the device)
     graph_inputs   the target runner's plan + load_inputs, the draft block's prepare_block
     launch_other   the rest of the one-graph launch (SpecStepGraph.run without the forward)
     complete       reading the step in flight and applying it (acceptance, append + stop criteria,
@@ -123,9 +124,9 @@ def run_arrivals(args: argparse.Namespace, batch: int, seed: int) -> dict[str, f
     batch requests queued at once with lengths drawn from [--min-tokens, --max-tokens], so requests end
     at different steps and each end admits a waiting prompt, as at a fixed concurrency. Timed from the
     first step without a prompt chunk until the queue is empty. Not counted as host time: the
-    forwards (both graph forms' and any prompt forward beside them) and, with prompts, making the
-    step's graph inputs anew (a GPU replays a captured entry instead: `MixedSpecGraph._new_entry`), and for
-    prompts beside the one-graph step their draft launch and the drafter's draft-context write."""
+    forwards (both graph forms' and any prompt forward beside them); with prompts, making the step's
+    graph inputs anew (a GPU replays a captured entry instead: `MixedSpecGraph._new_entry`); for
+    prompts beside the one-graph step, their draft launch and the drafter's draft-context write."""
     from ..sampling_params import SamplingParams
 
     llm = _build_llm(args, batch)

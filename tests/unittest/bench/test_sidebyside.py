@@ -53,7 +53,8 @@ def test_summarize_median_min_max_and_ratio():
     lines = md.splitlines()
     assert len(lines) == 2 + 3 and "x base" in lines[0]
     assert spec1["ttft_mean_s"]["median"] == pytest.approx(0.004) and spec1["ttft_p99_s"]["max"] == pytest.approx(0.027)
-    assert "| spec | 1 | 3 | 16 | 110 (100-400) | 20.00 (10.00-30.00) | 4.0 / 12.0 | 2.50 (2.00-3.00) | 2.00 (rounds 2.00-6.67) |" in lines
+    assert ("| spec | 1 | 3 | 16 | 110 (100-400) | 20.00 (10.00-30.00) | 4.0 / 12.0 | 2.50 (2.00-3.00) | "
+            "2.00 (rounds 2.00-6.67) |") in lines
     assert "| spec | 16 | 4 | 16 | 2,500 (1,000-4,000) | - | - | 2.80 (2.80-2.80) | - |" in lines
     compact = sbs.format_compact(out).splitlines()
     assert compact[0] == "| arm | C=1 tok/s | C=16 tok/s | AL |"
