@@ -48,7 +48,12 @@ class StepWatchdog:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop monitoring; returns once the monitor thread has ended (it holds `on_stall`, hence the
+        executor: a stopped engine must not stay reachable from a live thread)."""
         self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
 
     def _run(self, loop: threading.Thread) -> None:
         period = min(1.0, self.timeout_s / 4)

@@ -62,6 +62,19 @@ def test_steps_that_end_in_time_are_not_reported():
     assert calls == []
 
 
+def test_stop_returns_once_the_monitor_thread_has_ended():
+    # the monitor holds on_stall (the executor's): a shut-down engine must not stay reachable from it
+    dog = StepWatchdog(30.0, lambda reason: None)
+    loop = threading.Thread(target=time.sleep, args=(2,), daemon=True)
+    loop.start()
+    dog.watch(loop)
+    monitor = dog._thread
+    assert monitor is not None and monitor.is_alive()
+    dog.stop()
+    assert not monitor.is_alive()
+    loop.join(5)
+
+
 def test_the_timeout_is_validated():
     with pytest.raises(ValueError, match="step_timeout_s must be > 0"):
         StepWatchdog(0.0, print)
