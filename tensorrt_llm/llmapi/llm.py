@@ -34,8 +34,8 @@ def _freeze_startup_heap() -> None:
 
     A built engine holds ~0.2M tracked objects (~0.5M with inductor regions: FX graphs, guards, compiled
     code) that live as long as it does. Every oldest-generation pass walks all of them: a stop-the-world
-    pause (42-55 ms eager, ~237 ms with inductor for one SmolLM2 engine on a CPU) inside whatever step
-    triggers it, while the serving loop's own objects are freed by reference counting. So the heap is
+    pause (~60 ms eager, ~220 ms with inductor for one SmolLM2 engine on a CPU: `bench/gc_heap.py`) in
+    whichever step triggers it, while the serving loop's own objects are freed by reference counting. So the heap is
     collected once and moved to the permanent generation (`gc.freeze`, as vLLM's engine core does);
     `LLM.shutdown` moves it back (`gc.unfreeze`), so a stopped engine's cycles are collected again."""
     gc.collect()
