@@ -40,17 +40,20 @@ import platform
 import random
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
 from .host_overhead import StepTimer
 
+if TYPE_CHECKING:
+    from ..llmapi import LLM
+
 COMPONENTS = ("schedule", "segments", "graph_inputs", "launch_other", "complete", "other", "host", "forward")
 ARRIVAL_COLUMNS = ("host_plain", "host_prompt", "steps_plain", "steps_prompt")
 
 
-def _build_llm(args: argparse.Namespace, batch: int) -> Any:
+def _build_llm(args: argparse.Namespace, batch: int) -> "LLM":
     """The engine under test on the CPU: overlap scheduler on, the DSpark drafter, room for the batch."""
     from ..llmapi import LLM
     return LLM(args.model, device="cpu", max_batch_size=batch, disable_overlap_scheduler=False,
@@ -177,13 +180,10 @@ def run_arrivals(args: argparse.Namespace, batch: int, seed: int) -> dict[str, f
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     results = {}
+    run, columns = (run_arrivals, ARRIVAL_COLUMNS) if args.waves else (run_once, COMPONENTS)
     for b in args.batch_sizes:
-        if args.waves:
-            runs = [run_arrivals(args, b, seed=r) for r in range(args.rounds)]
-            results[str(b)] = {k: min(r[k] for r in runs) for k in ARRIVAL_COLUMNS}
-        else:
-            runs = [run_once(args, b, seed=r) for r in range(args.rounds)]
-            results[str(b)] = {k: min(r[k] for r in runs) for k in COMPONENTS}
+        runs = [run(args, b, seed=r) for r in range(args.rounds)]
+        results[str(b)] = {k: min(r[k] for r in runs) for k in columns}
     return {"ms_per_step": results, "config": {k: v for k, v in vars(args).items() if k != "json"},
             "machine": {"python": platform.python_version(), "torch": torch.__version__,
                         "processor": platform.processor() or platform.machine()}}
