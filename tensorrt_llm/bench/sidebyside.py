@@ -122,7 +122,23 @@ def _steps(rs: Sequence[dict]) -> Optional[dict]:
     # the share of the executor's step time spent in steps with a prompt chunk
     out["prompt_step_time_share"] = statistics.median(r["steps"]["seconds_with_prompt_chunks"]
                                                       / max(r["steps"]["seconds"], 1e-9) for r in rs)
+    # the share of it spent reading launched steps' tokens: the loop waiting for the GPU (0: host-bound)
+    out["read_wait_share"] = statistics.median(r["steps"].get("seconds_reading_tokens", 0.0)
+                                               / max(r["steps"]["seconds"], 1e-9) for r in rs)
     return out
+
+
+def _host_note(row: dict) -> str:
+    """An engine row's step time, the share of it waiting for the GPU, and its full GC passes (HF rows
+    carry none of these)."""
+    st, gc_row = row.get("steps"), row.get("gc")
+    note = ""
+    if st and st.get("total") and st.get("seconds"):
+        note = (f", {1e3 * st['seconds'] / st['total']:.2f} ms/step, "
+                f"{100 * st.get('seconds_reading_tokens', 0.0) / st['seconds']:.0f}% waiting for the GPU")
+    if gc_row and gc_row["passes"][2]:
+        note += f", {gc_row['passes'][2]} full GC pass(es), {1e3 * gc_row['seconds'][2]:.0f} ms"
+    return note
 
 
 def summarize(rows: Sequence[dict], arm_order: Sequence[str], ratio_to: Optional[str]) -> list[dict]:
@@ -204,14 +220,15 @@ def format_markdown(summary: Sequence[dict], anchor: Optional[dict] = None) -> s
         lines.append("| " + " | ".join(cells) + " |")
     steps = [e for e in summary if e.get("steps")]
     if steps:
-        skip = ("total", "ms_per_step", "seconds", "seconds_with_prompt_chunks", "prompt_step_time_share")
+        skip = ("total", "ms_per_step", "seconds", "seconds_with_prompt_chunks", "prompt_step_time_share",
+                "seconds_reading_tokens", "read_wait_share")
         keys = [k for k in steps[0]["steps"] if k not in skip]
-        lines += ["", "| arm | C | steps | ms / step | time in prompt steps | " + " | ".join(keys) + " |",
-                  "|" + "---|" * (len(keys) + 5)]
+        lines += ["", "| arm | C | steps | ms / step | time in prompt steps | time waiting for the GPU | "
+                  + " | ".join(keys) + " |", "|" + "---|" * (len(keys) + 6)]
         for e in steps:
             st = e["steps"]
             lines.append(f"| {e['arm']} | {e['concurrency']} | {st['total']:,.0f} | {st['ms_per_step']:.2f} | "
-                         f"{100 * st['prompt_step_time_share']:.0f}% | " + " | ".join(f"{st[k]:,.0f}" for k in keys) + " |")
+                         f"{100 * st['prompt_step_time_share']:.0f}% | {100 * st['read_wait_share']:.0f}% | " + " | ".join(f"{st[k]:,.0f}" for k in keys) + " |")
     if anchor and anchor.get("ceiling"):
         lines += ["", "| anchor (compiled step, random weights) | B | decode step ms | step-only ceiling tok/s "
                       "| 9-token verify ms | kernels/step |", "|---|---|---|---|---|---|"]
@@ -347,11 +364,8 @@ def run_sidebyside(args: argparse.Namespace, arms: Sequence[Arm], report_cb=None
                                                             args.request_timeout_s)
                         row.update(arm=arm.name, round=r, position=pos)
                         report["rows"].append(row)
-                        full = row["gc"]["passes"][2] if "gc" in row else 0     # (HF rows carry none)
                         logger.warning("round %d %s C=%d: %.0f tok/s%s%s", r, arm.name, c, row["output_tok_s"],
-                                       f", AL {_al(row):.2f}" if _al(row) else "",
-                                       f", {full} full GC pass(es), {1e3 * row['gc']['seconds'][2]:.0f} ms"
-                                       if full else "")
+                                       f", AL {_al(row):.2f}" if _al(row) else "", _host_note(row))
                 round_s = time.perf_counter() - r0
                 mark(f"round {r} done ({round_s:.0f} s)")
                 report["summary"] = summarize(report["rows"], [a.name for a in arms], args.ratio_to)

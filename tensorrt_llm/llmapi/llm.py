@@ -106,7 +106,8 @@ class LLM:
                            "prompts_beside_in_flight": ex.prompts_beside_flight,
                            "prompts_beside_one_graph": ex.prompts_beside_one_graph,
                            "prompts_read_late": ex.prompts_read_late, **dataclasses.asdict(ex.engine.paths),
-                           "seconds": ex.step_seconds, "seconds_with_prompt_chunks": ex.prompt_step_seconds}}
+                           "seconds": ex.step_seconds, "seconds_with_prompt_chunks": ex.prompt_step_seconds,
+                           "seconds_reading_tokens": ex.read_wait_seconds}}
         if self._executor.drafter is not None:
             stats["speculative"] = self._executor.drafter.stats()
         return stats

@@ -77,6 +77,7 @@ class PyExecutor:
         self.prompts_beside_one_graph = 0  # steps whose prompt chunks ran in their own graph beside a one-graph step
         self.step_seconds = 0.0          # wall seconds inside `step` (launches, reads and waits)
         self.prompt_step_seconds = 0.0   # the share of it in steps with a prompt chunk
+        self.read_wait_seconds = 0.0     # the share of it reading launched steps' tokens: waits for the GPU
         self.fatal_error: Optional[str] = None
         self.watchdog = StepWatchdog(step_timeout_s, self._stalled)
 
@@ -312,7 +313,10 @@ class PyExecutor:
         a request that stopped earlier drops its token (the step ran for nothing, as it may)."""
         if step is None:
             step, self._inflight = self._inflight, None
-        for req, row in zip(step.reqs, step.rows()):
+        t0 = time.perf_counter()
+        rows = step.rows()
+        self.read_wait_seconds += time.perf_counter() - t0
+        for req, row in zip(step.reqs, rows):
             if req.is_finished:
                 continue
             try:
@@ -433,7 +437,9 @@ class PyExecutor:
             self._complete_part(step)
 
     def _complete_part(self, step: "SpecStep") -> None:
+        t0 = time.perf_counter()
         chosen, verified = step.read()
+        self.read_wait_seconds += time.perf_counter() - t0
         commits = self._update_requests(step.reqs, step.segments, step.num_ctx, step.out, chosen, verified)
         if self.drafter is not None and commits:
             isolated(lambda cs: self.drafter.draft(cs, step.out.captured, step.ahead), commits,

@@ -65,20 +65,26 @@ def test_summarize_step_counts_median_over_rounds():
     """Engine rows carry the level's `get_stats()["steps"]`: the summary holds their medians and the
     median ms per step (elapsed / total of each round, not a ratio of medians); rows without counts
     (HF) have none, and the markdown gets a steps table for the engine arms only."""
-    steps = [{"total": 100, "one_graph": 80, "with_prompt_chunks": 20, "seconds": 0.9, "seconds_with_prompt_chunks": 0.45},
-             {"total": 200, "one_graph": 150, "with_prompt_chunks": 50, "seconds": 0.5, "seconds_with_prompt_chunks": 0.1},
-             {"total": 400, "one_graph": 390, "with_prompt_chunks": 10, "seconds": 0.8, "seconds_with_prompt_chunks": 0.2}]
+    steps = [{"total": 100, "one_graph": 80, "with_prompt_chunks": 20, "seconds": 0.9, "seconds_with_prompt_chunks": 0.45,
+              "seconds_reading_tokens": 0.09},
+             {"total": 200, "one_graph": 150, "with_prompt_chunks": 50, "seconds": 0.5, "seconds_with_prompt_chunks": 0.1,
+              "seconds_reading_tokens": 0.3},
+             {"total": 400, "one_graph": 390, "with_prompt_chunks": 10, "seconds": 0.8, "seconds_with_prompt_chunks": 0.2,
+              "seconds_reading_tokens": 0.4}]
     rows = [{**_row("spec", 64, 1000.0, r), "steps": st, "elapsed_s": el}
             for r, (st, el) in enumerate(zip(steps, [1.0, 0.5, 0.8]))]
     rows += [_row("hf", 64, 500.0, r) for r in range(3)]
     out = sbs.summarize(rows, ["spec", "hf"], ratio_to=None)
     assert out[0]["steps"] == {"total": 200, "one_graph": 150, "with_prompt_chunks": 20, "seconds": 0.8,
-                               "seconds_with_prompt_chunks": 0.2, "ms_per_step": pytest.approx(2.5),   # 10.0 / 2.5 / 2.0
-                               "prompt_step_time_share": pytest.approx(0.25)}   # 0.5 / 0.2 / 0.25 per round
+                               "seconds_with_prompt_chunks": 0.2, "seconds_reading_tokens": 0.3,
+                               "ms_per_step": pytest.approx(2.5),   # 10.0 / 2.5 / 2.0
+                               "prompt_step_time_share": pytest.approx(0.25),   # 0.5 / 0.2 / 0.25 per round
+                               "read_wait_share": pytest.approx(0.5)}           # 0.1 / 0.6 / 0.5 per round
     assert out[1]["steps"] is None
     md = sbs.format_markdown(out).splitlines()
-    assert "| arm | C | steps | ms / step | time in prompt steps | one_graph | with_prompt_chunks |" in md
-    assert "| spec | 64 | 200 | 2.50 | 25% | 150 | 20 |" in md
+    assert ("| arm | C | steps | ms / step | time in prompt steps | time waiting for the GPU | one_graph "
+            "| with_prompt_chunks |") in md
+    assert "| spec | 64 | 200 | 2.50 | 25% | 50% | 150 | 20 |" in md
     assert sum(line.startswith("| hf |") for line in md) == 1                 # the tok/s table only
 
 
@@ -219,3 +225,14 @@ def test_anchor_runs_after_the_rounds_in_the_time_they_leave(tiny_llama_dir, tmp
     assert rep["anchor"]["error"].startswith("not run: no time left")
     slow = sbs.run_anchor(_fake_anchor(tmp_path, "time.sleep(5)", "slow.py"), ["1x1"], timeout_s=0.5)
     assert slow["error"].startswith("anchor did not finish within")
+
+
+def test_host_note_names_step_time_gpu_wait_and_full_gc_passes():
+    """The per-round log line of an engine row: ms per step, the share of step time waiting for the GPU,
+    and full GC passes when there were any; an HF row (no step counts, no gc) gets nothing."""
+    row = {"steps": {"total": 400, "seconds": 0.8, "seconds_reading_tokens": 0.2},
+           "gc": {"passes": [30, 2, 0], "seconds": [0.01, 0.002, 0.0]}}
+    assert sbs._host_note(row) == ", 2.00 ms/step, 25% waiting for the GPU"
+    row["gc"] = {"passes": [30, 2, 1], "seconds": [0.01, 0.002, 0.222]}
+    assert sbs._host_note(row) == ", 2.00 ms/step, 25% waiting for the GPU, 1 full GC pass(es), 222 ms"
+    assert sbs._host_note({"output_tok_s": 9000.0}) == ""

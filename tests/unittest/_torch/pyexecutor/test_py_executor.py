@@ -137,12 +137,14 @@ def test_step_stats_count_every_step_once(tiny_llama_dir, tiny_drafters, make_ll
                       "prompts_beside_one_graph": 0, "prompts_read_late": 0, "one_graph": 0,
                       "one_graph_with_prompts": 0, "target_graph": 0,
                       "packed_graph": 0, "piecewise": 0, "eager": 0,
-                      "seconds": 0.0, "seconds_with_prompt_chunks": 0.0}
+                      "seconds": 0.0, "seconds_with_prompt_chunks": 0.0, "seconds_reading_tokens": 0.0}
     row = run_concurrency(llm, prompts, 3, PARAMS)
     st = llm.get_stats()["steps"]
     assert row["steps"] == st                          # the level's delta (the engine was fresh)
     # step time: inside the level's wall time, the prompt steps' share of it positive and partial
     assert 0 < st["seconds_with_prompt_chunks"] < st["seconds"] <= row["elapsed_s"]
+    # reading launched steps' tokens (a wait for the GPU there; host lists here): a part of the step time
+    assert 0 <= st["seconds_reading_tokens"] < st["seconds"]
     assert st["total"] + st["prompts_beside_one_graph"] == (st["one_graph"] + st["target_graph"] + st["packed_graph"]
                                                             + st["piecewise"] + st["eager"])
     assert st["target_graph"] == st["packed_graph"] == st["piecewise"] == 0
@@ -153,6 +155,7 @@ def test_step_stats_count_every_step_once(tiny_llama_dir, tiny_drafters, make_ll
                 <= st["with_prompt_chunks"])
         assert st["one_graph_with_prompts"] <= st["one_graph"]
         assert 0 < st["prompts_read_late"] <= st["with_prompt_chunks"]
+        assert st["seconds_reading_tokens"] > 0            # every DSpark step is read
     else:
         assert st["one_graph"] == st["read_in_flight_first"] == st["prompts_beside_in_flight"] == 0
         assert st["prompts_beside_one_graph"] == st["one_graph_with_prompts"] == 0
