@@ -228,7 +228,8 @@ def format_markdown(summary: Sequence[dict], anchor: Optional[dict] = None) -> s
         for e in steps:
             st = e["steps"]
             lines.append(f"| {e['arm']} | {e['concurrency']} | {st['total']:,.0f} | {st['ms_per_step']:.2f} | "
-                         f"{100 * st['prompt_step_time_share']:.0f}% | {100 * st['read_wait_share']:.0f}% | " + " | ".join(f"{st[k]:,.0f}" for k in keys) + " |")
+                         f"{100 * st['prompt_step_time_share']:.0f}% | {100 * st['read_wait_share']:.0f}% | "
+                         + " | ".join(f"{st[k]:,.0f}" for k in keys) + " |")
     if anchor and anchor.get("ceiling"):
         lines += ["", "| anchor (compiled step, random weights) | B | decode step ms | step-only ceiling tok/s "
                       "| 9-token verify ms | kernels/step |", "|---|---|---|---|---|---|"]

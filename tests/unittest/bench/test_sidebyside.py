@@ -65,12 +65,12 @@ def test_summarize_step_counts_median_over_rounds():
     """Engine rows carry the level's `get_stats()["steps"]`: the summary holds their medians and the
     median ms per step (elapsed / total of each round, not a ratio of medians); rows without counts
     (HF) have none, and the markdown gets a steps table for the engine arms only."""
-    steps = [{"total": 100, "one_graph": 80, "with_prompt_chunks": 20, "seconds": 0.9, "seconds_with_prompt_chunks": 0.45,
-              "seconds_reading_tokens": 0.09},
-             {"total": 200, "one_graph": 150, "with_prompt_chunks": 50, "seconds": 0.5, "seconds_with_prompt_chunks": 0.1,
-              "seconds_reading_tokens": 0.3},
-             {"total": 400, "one_graph": 390, "with_prompt_chunks": 10, "seconds": 0.8, "seconds_with_prompt_chunks": 0.2,
-              "seconds_reading_tokens": 0.4}]
+    steps = [{"total": 100, "one_graph": 80, "with_prompt_chunks": 20, "seconds": 0.9,
+              "seconds_with_prompt_chunks": 0.45, "seconds_reading_tokens": 0.09},
+             {"total": 200, "one_graph": 150, "with_prompt_chunks": 50, "seconds": 0.5,
+              "seconds_with_prompt_chunks": 0.1, "seconds_reading_tokens": 0.3},
+             {"total": 400, "one_graph": 390, "with_prompt_chunks": 10, "seconds": 0.8,
+              "seconds_with_prompt_chunks": 0.2, "seconds_reading_tokens": 0.4}]
     rows = [{**_row("spec", 64, 1000.0, r), "steps": st, "elapsed_s": el}
             for r, (st, el) in enumerate(zip(steps, [1.0, 0.5, 0.8]))]
     rows += [_row("hf", 64, 500.0, r) for r in range(3)]
