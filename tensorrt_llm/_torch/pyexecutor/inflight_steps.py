@@ -19,6 +19,11 @@ class OverlapStep:
     row_index: list[int]
     tokens: Optional[PendingTokens]
 
+    def wait(self) -> None:
+        """Wait for this step's host copy (`rows` then reads it without waiting)."""
+        if self.tokens is not None:
+            self.tokens.rows()
+
     def rows(self) -> list[list[int]]:
         """[token] per request, in order (waits for this step's host copy only)."""
         host = self.tokens.rows() if self.tokens is not None else []
@@ -55,6 +60,11 @@ class SpecStep:
     @property
     def parts(self) -> list["SpecStep"]:
         return [self]
+
+    def wait(self) -> None:
+        """Wait for this step's host copy (`read` then parses it without waiting)."""
+        if self.copy is not None:
+            self.copy.rows()
 
     def read(self) -> tuple[list[int], list[Optional[list[int]]]]:
         """(chosen id per logits row of the prompt ends; per request of `reqs` its verify row without

@@ -77,7 +77,7 @@ class PyExecutor:
         self.prompts_beside_one_graph = 0  # steps whose prompt chunks ran in their own graph beside a one-graph step
         self.step_seconds = 0.0          # wall seconds inside `step` (launches, reads and waits)
         self.prompt_step_seconds = 0.0   # the share of it in steps with a prompt chunk
-        self.read_wait_seconds = 0.0     # the share of it reading launched steps' tokens: waits for the GPU
+        self.read_wait_seconds = 0.0     # the share of it waiting for launched steps' host copies (the GPU)
         self.fatal_error: Optional[str] = None
         self.watchdog = StepWatchdog(step_timeout_s, self._stalled)
 
@@ -313,10 +313,8 @@ class PyExecutor:
         a request that stopped earlier drops its token (the step ran for nothing, as it may)."""
         if step is None:
             step, self._inflight = self._inflight, None
-        t0 = time.perf_counter()
-        rows = step.rows()
-        self.read_wait_seconds += time.perf_counter() - t0
-        for req, row in zip(step.reqs, rows):
+        self._wait_for(step)
+        for req, row in zip(step.reqs, step.rows()):
             if req.is_finished:
                 continue
             try:
@@ -436,10 +434,15 @@ class PyExecutor:
         for step in steps.parts:
             self._complete_part(step)
 
-    def _complete_part(self, step: "SpecStep") -> None:
+    def _wait_for(self, step: "OverlapStep | SpecStep") -> None:
+        """Wait for a launched step's host copy, timed (`read_wait_seconds`: on a GPU, waits for it)."""
         t0 = time.perf_counter()
-        chosen, verified = step.read()
+        step.wait()
         self.read_wait_seconds += time.perf_counter() - t0
+
+    def _complete_part(self, step: "SpecStep") -> None:
+        self._wait_for(step)
+        chosen, verified = step.read()
         commits = self._update_requests(step.reqs, step.segments, step.num_ctx, step.out, chosen, verified)
         if self.drafter is not None and commits:
             isolated(lambda cs: self.drafter.draft(cs, step.out.captured, step.ahead), commits,
