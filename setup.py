@@ -46,7 +46,7 @@ setup(
         "test": ["pytest>=8", "transformers>=4.45", "openai>=1.40", "triton>=3.2", "ninja"],
         # the CuTe DSL norm + RoPE prep kernel (attention_backend: CUTEDSL, sm90+); CI installs it so that the
         # kernel's CPU test compiles it for sm_90a (~100 MB of wheels)
-        "cutedsl": ["nvidia-cutlass-dsl==4.8.1"],
+        "cutedsl": ["nvidia-cutlass-dsl==4.8.1", "apache-tvm-ffi==0.1.15.post2"],
         # GSM8K through the server (tensorrt_llm/bench/lm_eval_gsm8k.py); heavy, not installed by CI
         "eval": ["lm-eval[api]==0.4.13", "transformers>=4.45", "accelerate"],
     },

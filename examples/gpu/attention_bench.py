@@ -13,6 +13,12 @@ kernel alone (no K/V append) under every LaunchConfig (rows per program 16 / 32 
 CUDA-event time of a CUDA graph of 20 calls (so launch cost is excluded), median of 5 replays;
 FLASHINFER's plan is made once outside the timing, and its host plan time per call is reported
 separately. Prints a table; --json writes it.
+--rope-append (instead of the attention shapes): the CUTEDSL drafter's fused prep + append (`cute_rope_append`,
+`cute_mla_rope_append`) against TRITON's (`rope_append`, `mla_rope_append` given q_lat) at the drafter's
+layer shapes: B requests x 8 block tokens, GQA 16 q / 16 KV heads x 64 with head norms (q, k, v views of one
+q|k|v buffer), MLA 16 heads, latent 512 + rope 64 (q_pe a view of the q buffer, the latent a view of the
+projection output), page 32, each request owning its pages. One JSON line per kind and batch: "graph_us"
+and "eager_us" (as --norm-rope) for "cute" and "triton", and the max abs difference of their q outputs.
 --w-uv (instead of the attention shapes): the MLA draft block with its output through W_UV at the default
 split count and at each --splits count: the attention then `mla_value_projection` (as the engine runs it)
 and the attention alone; one JSON line per batch and context with the two graph times per split count.
@@ -30,6 +36,7 @@ difference of the two outputs.
         --splits 1 2 4 8 16 --json $OUT/attn.json
     python3 examples/gpu/attention_bench.py --batch 16 64 --ctx 256 512 --splits --configs --json $OUT/cfg.json
     python3 examples/gpu/attention_bench.py --norm-rope --json $OUT/norm_rope.json
+    python3 examples/gpu/attention_bench.py --rope-append --batch 1 16 64 --json $OUT/rope_append.json
     python3 examples/gpu/attention_bench.py --w-uv --batch 1 4 16 --ctx 256 512 --splits 1 2 4 8 16 \\
         --json $OUT/w_uv.json
 """
@@ -194,6 +201,37 @@ def _norm_rope_case(name: str, batch: int, dev: torch.device) -> dict:
             "max_abs_diff": diff}
 
 
+def _rope_append_case(kind: str, batch: int, dev: torch.device) -> dict:
+    from tensorrt_llm._torch.attention_backend.cute_rope_append import cute_mla_rope_append, cute_rope_append
+    from tensorrt_llm._torch.attention_backend.interface import HeadNorms
+    from tensorrt_llm._torch.attention_backend.triton_rope_append import mla_rope_append, rope_append
+    t, page, heads, bf = batch * 8, 32, 16, torch.bfloat16
+    own = 1 + 400 // page
+    tables = torch.arange(batch * own, dtype=torch.int32, device=dev).view(batch, own)
+    pos = 400 + torch.arange(8, device=dev)
+    slots = (tables.long()[:, pos // page] * page + pos % page).reshape(-1)
+    cos, sin = (torch.randn(t, 1, 64, device=dev) for _ in range(2))
+    common = dict(slot_mapping=slots, block_tables=tables, qo_indptr=None, tokens_per_seq=8,
+                  refused=torch.zeros(1, dtype=torch.int32, device=dev), cos=cos, sin=sin)
+    if kind == "gqa":
+        qkv = torch.randn(t, 3 * heads, 64, device=dev, dtype=bf)
+        norms = HeadNorms(torch.rand(64, device=dev, dtype=bf) + 0.5, torch.rand(64, device=dev, dtype=bf) + 0.5, 1e-6)
+        args = dict(q=qkv[:, :heads], k=qkv[:, heads:2 * heads], v=qkv[:, 2 * heads:], head_norms=norms,
+                    kv_cache=torch.zeros(batch * own, 2, heads, page, 64, device=dev, dtype=bf), **common)
+        cute, tri = (lambda: cute_rope_append(**args)), (lambda: rope_append(**args))           # noqa: E731
+    else:
+        qbuf = torch.randn(t, heads, 576, device=dev, dtype=bf)
+        proj = torch.randn(t, 576 + 64, device=dev, dtype=bf)
+        args = dict(q_lat=qbuf[:, :, :512], q_pe=qbuf[:, :, 512:], kv=proj[:, :576],
+                    norm_weight=torch.rand(512, device=dev, dtype=bf) + 0.5, eps=1e-6,
+                    kv_cache=torch.zeros(batch * own, 1, 1, page, 576, device=dev, dtype=bf), **common)
+        cute, tri = (lambda: cute_mla_rope_append(**args)), (lambda: mla_rope_append(**args))   # noqa: E731
+    diff = (cute().float() - tri().float()).abs().max().item()
+    return {"kind": kind, "batch": batch, "tokens": t, "max_abs_diff": diff,
+            "cute": {"graph_us": round(graph_us(cute), 2), "eager_us": round(_eager_us(cute), 2)},
+            "triton": {"graph_us": round(graph_us(tri), 2), "eager_us": round(_eager_us(tri), 2)}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
@@ -203,6 +241,8 @@ def main() -> None:
     ap.add_argument("--linear", action="store_true", help="also time the FP8 block linear against bf16")
     ap.add_argument("--configs", action="store_true", help="also sweep the kernel's LaunchConfig (module doc)")
     ap.add_argument("--norm-rope", action="store_true", help="time the CuTe DSL norm + RoPE prep (module doc) only")
+    ap.add_argument("--rope-append", action="store_true", help="time CUTEDSL's fused prep + append against "
+                    "TRITON's only (module doc)")
     ap.add_argument("--w-uv", action="store_true", help="time the MLA draft block with W_UV only (module doc)")
     ap.add_argument("--json")
     a = ap.parse_args()
@@ -212,10 +252,13 @@ def main() -> None:
         for b in a.batch:
             rows.append(_norm_rope_case(name, b, dev))
             print(json.dumps(rows[-1]), flush=True)
+    for kind, b in itertools.product(("gqa", "mla"), a.batch) if a.rope_append else ():
+        rows.append(_rope_append_case(kind, b, dev))
+        print(json.dumps(rows[-1]), flush=True)
     for b, ctx in itertools.product(a.batch, a.ctx) if a.w_uv else ():
         rows.append(_w_uv_case(b, ctx, dev, a.splits))
         print(json.dumps(rows[-1]), flush=True)
-    for name in SHAPES if not (a.norm_rope or a.w_uv) else ():
+    for name in SHAPES if not (a.norm_rope or a.w_uv or a.rope_append) else ():
         for b in a.batch:
             for ctx in a.ctx:
                 r = {"shape": name, "batch": b, "ctx": ctx, **_case(name, b, ctx, dev, a.splits, a.flashinfer)}

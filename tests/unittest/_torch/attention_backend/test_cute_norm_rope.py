@@ -171,31 +171,65 @@ def test_support_predicate_refuses_the_cpu():
                                                          "(device is cpu)")
 
 
-# the drafter's signatures (shipped sizes): GQA q / k heads, MLA latents of 5 layers, MLA query rope parts
-SIGNATURES = [("bfloat16", 16, 64, 64, 64, True, "shared"), ("bfloat16", 5, 576, 512, 64, True, "per_head"),
-              ("bfloat16", 1, 576, 512, 64, True, "shared"), ("bfloat16", 16, 64, 0, 64, False, "none"),
-              ("float32", 4, 24, 16, 8, True, "none")]
+# the drafter's signatures (shipped sizes): GQA q / k heads, MLA latents of 5 layers, MLA query rope parts, with
+# their chunk width v (16 bytes of bf16: 8; of float32: 4); then the scalar form (v = 1) of two of them
+SIGNATURES = [("bfloat16", 16, 64, 64, 64, True, "shared", 8), ("bfloat16", 5, 576, 512, 64, True, "per_head", 8),
+              ("bfloat16", 1, 576, 512, 64, True, "shared", 8), ("bfloat16", 16, 64, 0, 64, False, "none", 8),
+              ("float32", 4, 24, 16, 8, True, "none", 4), ("bfloat16", 16, 64, 64, 64, True, "shared", 1),
+              ("bfloat16", 5, 576, 512, 64, True, "per_head", 1)]
 COMPILE = """
-import json, sys, torch
+import json, os, sys, torch
 from tensorrt_llm._torch.attention_backend.cute_norm_rope_kernel import compiled_norm_rope
 for s in json.loads(sys.argv[1]):
-    f = compiled_norm_rope("cpu", getattr(torch, s[0]), *s[1:])
-    print(type(f).__name__)
+    f = compiled_norm_rope(getattr(torch, s[0]), *s[1:])
+    ptx = f.artifacts.PTX
+    ptx = open(ptx).read() if os.path.exists(ptx) else ptx
+    print(type(f).__name__, ptx.count("ld.global.v4"), ptx.count("st.global.v4"))
 """
 
 
 @pytest.fixture
 def sm90a_env(tmp_path):
-    """The environment of a CPU compile for Hopper: the DSL's target arch (no GPU to ask) and a private
-    cache folder (the compiled artifacts)."""
+    """The environment of a CPU compile for Hopper: the DSL's target arch (no GPU to ask), a private cache
+    folder (the compiled artifacts) and the PTX kept there."""
     if dsl_import_error():
         pytest.skip(f"nvidia-cutlass-dsl is not installed here ({dsl_import_error()}); the 'cutedsl' extra "
                     "installs it")
-    return {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_CACHE_DIR": str(tmp_path)}
+    (tmp_path / "ptx").mkdir()
+    return {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_CACHE_DIR": str(tmp_path),
+            "CUTE_DSL_KEEP": "ptx", "CUTE_DSL_DUMP_DIR": str(tmp_path / "ptx")}
 
 
-def test_kernel_compiles_for_sm90a_without_a_gpu(sm90a_env):
+def test_kernel_compiles_for_sm90a_without_a_gpu_to_128_bit_accesses(sm90a_env):
+    """Every signature compiles for sm90a with the TVM FFI convention; with 16-byte chunks every row load and
+    store is a 128-bit access (ld / st.global.v4), and the scalar form (v = 1) has none."""
     run = subprocess.run([sys.executable, "-c", COMPILE, json.dumps(SIGNATURES)], env=sm90a_env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split().count("CudaDialectJitCompiledFunction") == len(SIGNATURES), run.stdout
+    rows = [line.split() for line in run.stdout.splitlines()]
+    assert [r[0] for r in rows] == ["TVMFFIJitCompiledFunctionWithKwargs"] * len(SIGNATURES), run.stdout
+    for sig, (_, loads, stores) in zip(SIGNATURES, rows):
+        if sig[-1] > 1:
+            assert int(loads) > 0 and int(stores) > 0, (sig, loads, stores)
+        else:
+            assert int(loads) == int(stores) == 0, (sig, loads, stores)
+
+
+def test_chunk_width_and_lanes_follow_alignment_and_boundaries():
+    """v: 16 bytes of elements where every pointer, stride and column boundary allows it, halved otherwise
+    (a pointer 2 bytes off, an odd stride, an odd boundary); L: the largest power of two <= 32 dividing the
+    chunks and the inner boundaries."""
+    if dsl_import_error():
+        pytest.skip(f"nvidia-cutlass-dsl is not installed here ({dsl_import_error()})")
+    from tensorrt_llm._torch.attention_backend.cute_norm_rope_kernel import lanes_per_row, vector_width
+    x = torch.empty(4, 16, 72, dtype=torch.bfloat16)
+    tab = torch.empty(4, 64)
+    assert vector_width(2, (x[:, :, 8:], tab), (64, 32)) == 8               # 16-byte offset: full width
+    assert vector_width(2, (x[:, :, 4:68], tab), (64, 32)) == 4             # 8 bytes off
+    assert vector_width(2, (x[:, :, 1:65], tab), (64, 32)) == 1             # 2 bytes off: scalar
+    assert vector_width(2, (x[:, :, 8:], tab), (64, 32, 511)) == 1          # an odd column boundary
+    assert vector_width(2, (torch.empty(4, 66, dtype=torch.bfloat16)[:, :64], tab), (64,)) == 2  # stride 66
+    assert vector_width(4, (torch.empty(4, 64), tab[:, 4:]), (64,)) == 4    # float32: 4 per 16 bytes
+    assert vector_width(2, (x, tab[:, 2:]), (64,)) == 2                     # the table 8 bytes off: 2 floats
+    assert lanes_per_row(8, (8,)) == 8 and lanes_per_row(72, (64,)) == 8 and lanes_per_row(64, ()) == 32
+    assert lanes_per_row(6, (4,)) == 2 and lanes_per_row(576, (511,)) == 1

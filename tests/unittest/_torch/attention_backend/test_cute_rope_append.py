@@ -156,34 +156,48 @@ def test_bad_head_norms_and_mla_inputs_are_the_triton_forms_messages():
         assert msg == _message(mla_rope_append, bad) and msg
 
 
-# the drafter's signatures: (dtype, Hq, Hkv, D, P, normed, ragged) and (dtype, H, R, r, P, ragged)
-GQA_SIGNATURES = [("bfloat16", 16, 2, 64, 16, True, True), ("bfloat16", 16, 2, 64, 16, True, False),
-                  ("float32", 6, 3, 16, 4, False, False)]
-MLA_SIGNATURES = [("bfloat16", 16, 512, 64, 16, True), ("bfloat16", 16, 512, 64, 16, False),
-                  ("float32", 4, 16, 8, 4, True)]
+# the drafter's signatures: (dtype, Hq, Hkv, D, P, normed, ragged, v) and (dtype, H, R, r, P, ragged, v), v the
+# chunk width (16 bytes: 8 bf16, 4 float32; 1 the scalar form, for inputs not 16-byte aligned)
+GQA_SIGNATURES = [("bfloat16", 16, 2, 64, 16, True, True, 8), ("bfloat16", 16, 2, 64, 16, True, False, 8),
+                  ("float32", 6, 3, 16, 4, False, False, 4), ("bfloat16", 16, 2, 64, 16, True, True, 1)]
+MLA_SIGNATURES = [("bfloat16", 16, 512, 64, 16, True, 8), ("bfloat16", 16, 512, 64, 16, False, 8),
+                  ("float32", 4, 16, 8, 4, True, 4), ("bfloat16", 16, 512, 64, 16, True, 1)]
 COMPILE = """
-import json, sys, torch
+import json, os, sys, torch
 from tensorrt_llm._torch.attention_backend.cute_rope_append_kernel import (compiled_mla_rope_append,
                                                                            compiled_rope_append)
 gqa, mla = json.loads(sys.argv[1])
-for s in gqa:
-    print(type(compiled_rope_append("cpu", getattr(torch, s[0]), *s[1:])).__name__)
-for s in mla:
-    print(type(compiled_mla_rope_append("cpu", getattr(torch, s[0]), *s[1:])).__name__)
+for s in gqa + mla:
+    f = (compiled_rope_append if len(s) == 8 else compiled_mla_rope_append)(getattr(torch, s[0]), *s[1:])
+    ptx = f.artifacts.PTX
+    ptx = open(ptx).read() if os.path.exists(ptx) else ptx
+    print(type(f).__name__, ptx.count("ld.global.v4"), ptx.count("st.global.v4"), ptx.count("atom.global.add"))
 """
 
 
 @pytest.fixture
 def sm90a_env(tmp_path):
-    """A CPU compile for Hopper: the DSL's target arch (no GPU to ask) and a private cache folder."""
+    """A CPU compile for Hopper: the DSL's target arch (no GPU to ask), a private cache folder, the PTX kept."""
     if dsl_import_error():
         pytest.skip(f"nvidia-cutlass-dsl is not installed here ({dsl_import_error()}); the 'cutedsl' extra "
                     "installs it")
-    return {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_CACHE_DIR": str(tmp_path)}
+    (tmp_path / "ptx").mkdir()
+    return {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_CACHE_DIR": str(tmp_path),
+            "CUTE_DSL_KEEP": "ptx", "CUTE_DSL_DUMP_DIR": str(tmp_path / "ptx")}
 
 
-def test_kernels_compile_for_sm90a_without_a_gpu(sm90a_env):
+def test_kernels_compile_for_sm90a_without_a_gpu_to_128_bit_accesses(sm90a_env):
+    """Every signature compiles for sm90a (TVM FFI convention) with the refusal counter's one atomic add;
+    16-byte chunks make the rows' loads and stores 128-bit (ld / st.global.v4), the scalar form has none."""
     run = subprocess.run([sys.executable, "-c", COMPILE, json.dumps([GQA_SIGNATURES, MLA_SIGNATURES])],
                          env=sm90a_env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split().count("CudaDialectJitCompiledFunction") == len(GQA_SIGNATURES) + len(MLA_SIGNATURES)
+    rows = [line.split() for line in run.stdout.splitlines()]
+    sigs = GQA_SIGNATURES + MLA_SIGNATURES
+    assert [r[0] for r in rows] == ["TVMFFIJitCompiledFunctionWithKwargs"] * len(sigs), run.stdout
+    for sig, (_, loads, stores, atomics) in zip(sigs, rows):
+        assert int(atomics) == 1, (sig, atomics)
+        if sig[-1] > 1:
+            assert int(loads) > 0 and int(stores) > 0, (sig, loads, stores)
+        else:
+            assert int(loads) == int(stores) == 0, (sig, loads, stores)

@@ -123,6 +123,25 @@ def test_mla_kernel_equals_triton_and_reference(dtype, ragged):
 
 
 @pytest.mark.parametrize("mla", [False, True])
+def test_inputs_off_16_bytes_take_narrower_chunks_and_agree(mla):
+    """The 64-token case with every row input 2 bytes (one bf16) off its 16-byte alignment: the launch
+    picks the scalar chunk (v = 1, its own compiled kernel) and still equals TRITON and the reference."""
+    from tensorrt_llm._torch.attention_backend.cute_norm_rope_kernel import vector_width
+    args = _many(torch.bfloat16, mla)
+    names = ("q_lat", "q_pe", "kv") if mla else ("q", "k", "v")
+    assert vector_width(2, [args[n] for n in names], (64,)) == 8
+    for name in names:
+        x = args[name]
+        buf = torch.empty(x.numel() + x.shape[0] + 1, dtype=x.dtype, device=DEV)[1:]       # 2 bytes off
+        args[name] = buf[:x.numel()].view(x.shape).copy_(x)
+    assert vector_width(2, [args[n] for n in names], (64,)) == 1
+    fn, ref, tri = ((cute_mla_rope_append, mla_rope_append_reference, mla_rope_append) if mla else
+                    (cute_rope_append, rope_append_reference, rope_append))
+    kw = {} if mla else {"head_norms": _norms(args)}
+    _agree(fn, ref, tri, args, torch.bfloat16, 8, **kw)
+
+
+@pytest.mark.parametrize("mla", [False, True])
 def test_64_tokens_a_slot_past_its_requests_pages_is_refused_and_counted(mla):
     args = _many(torch.bfloat16, mla)
     fn, ref, tri = ((cute_mla_rope_append, mla_rope_append_reference, mla_rope_append) if mla else
