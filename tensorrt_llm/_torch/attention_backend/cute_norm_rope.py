@@ -22,11 +22,13 @@ out's dtype.
     weight [norm_dim] or [H, norm_dim]   x's dtype, contiguous (one per head: e.g. every layer's norm)
     out [T, H, W_out]        x's dtype, any token / head strides, contiguous columns; out_offset + W <= W_out
 
-The kernel: one warp per row, 4 rows per CTA; lanes stride the columns (coalesced), the statistic is
-a warp butterfly reduction, a rope column loads its partner column itself (so out must not overlap x).
-It lives in `cute_norm_rope_kernel` (imported only where the DSL is), compiled once per (device, dtype,
-H, W, norm_dim, R, apply_rmsnorm, weight kind) and cached; token count, strides and pointers are
-runtime values. The GPU arch is the device's (the DSL asks the driver). `cute_dsl_unavailable` is the
+The kernel: a row's columns in chunks of V elements held in registers (V = 16 bytes where pointers,
+strides and column boundaries allow: 128-bit loads and stores), L lanes per row, the statistic a
+butterfly sum over those lanes, a rope chunk loads its partner chunk itself (so out must not overlap x).
+It lives in `cute_norm_rope_kernel` (imported only where the DSL is), compiled once per (dtype, H, W,
+norm_dim, R, apply_rmsnorm, weight kind, V) with the TVM FFI convention (torch tensors in, torch's
+current stream) and cached; token count, strides and pointers are runtime values. The GPU arch is the
+device's (the DSL asks the driver). `cute_dsl_unavailable` is the
 support predicate, checked before any numeric work: on CUDA without it `norm_rope` raises.
 """
 from __future__ import annotations
@@ -43,10 +45,11 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 @functools.lru_cache(maxsize=1)
 def dsl_import_error() -> str:
-    """'' when the CuTe DSL (`cutlass.cute`, nvidia-cutlass-dsl) imports, else the import error."""
+    """'' when the CuTe DSL (`cutlass.cute`, nvidia-cutlass-dsl) and its TVM FFI launcher (`tvm_ffi`,
+    apache-tvm-ffi) import, else the import error."""
     try:
         importlib.import_module("cutlass.cute")
-        importlib.import_module("cuda.bindings.driver")
+        importlib.import_module("tvm_ffi")
     except Exception as e:  # ImportError or a broken install (missing native libraries)
         return f"{type(e).__name__}: {e}"
     return ""
@@ -54,7 +57,7 @@ def dsl_import_error() -> str:
 
 def cute_dsl_unavailable(device: torch.device) -> str:
     """The support predicate of the kernel on `device`: '' when it can run there, else why not (a CUDA
-    device of sm90+ and an importable nvidia-cutlass-dsl)."""
+    device of sm90+, importable nvidia-cutlass-dsl and apache-tvm-ffi)."""
     if device.type != "cuda":
         return f"the CuTe DSL norm + RoPE kernel needs a CUDA device (device is {device.type})"
     major, minor = torch.cuda.get_device_capability(device)
@@ -62,7 +65,7 @@ def cute_dsl_unavailable(device: torch.device) -> str:
         return f"the CuTe DSL norm + RoPE kernel needs sm{MIN_SM}+ (Hopper), device is sm{major}{minor}"
     err = dsl_import_error()
     if err:
-        return f"nvidia-cutlass-dsl is not importable ({err}); install the 'cutedsl' extra"
+        return f"nvidia-cutlass-dsl / apache-tvm-ffi is not importable ({err}); install the 'cutedsl' extra"
     return ""
 
 

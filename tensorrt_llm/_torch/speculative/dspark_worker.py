@@ -103,25 +103,26 @@ class DSparkWorker(Drafter):
 
     def enable_device_drafts(self, max_batch_size: int, cuda_graphs: bool) -> None:
         """Launch the draft step of greedy verified requests from the device-side verify output
-        (`draft_ahead`; after `bind`). With cuda_graphs it is captured per batch bucket with the
-        TRITON backend; without, the same step runs directly with the worker's own backend. Either
-        needs a backend that reads KV lengths on the device; without one drafting stays eager.
-        With cuda_graphs and `attention_backend: AUTO` the eager draft steps take TRITON as well; a
-        backend with `cute_norm_rope` (CUTEDSL, an explicit choice) runs the graphs itself."""
+        (`draft_ahead`; after `bind`). With cuda_graphs it is captured per batch bucket with a backend
+        that reads KV lengths on the device: an explicit TRITON / CUTEDSL its own; otherwise TRITON, and
+        under `attention_backend: AUTO` CUTEDSL where its support predicate holds (`_auto_graph_backend`),
+        which then takes the eager draft steps as well. Without cuda_graphs the same step runs directly
+        with the worker's own backend. Without such a backend drafting stays eager."""
         from ..attention_backend.triton_backend import TritonAttention
         from .draft_graph_runner import DraftGraphRunner
         if self.kv is None:
             raise ValueError("bind() the worker to its KV manager before enabling device drafts")
+        auto = cuda_graphs and self.cfg.attention_backend == "AUTO"
         backend: Optional[AttentionBackend] = None
         if cuda_graphs:
-            own = self.backend.capabilities.cute_norm_rope     # CUTEDSL captures its prep kernel; others TRITON
-            graph_cls = type(self.backend) if own else TritonAttention
-            ok, why = graph_cls.availability(self.device)
+            if auto:
+                backend, note = self._auto_graph_backend()
+            else:      # CUTEDSL captures its prep kernel; every other choice captures TRITON
+                backend = self.backend if self.backend.capabilities.cute_norm_rope else TritonAttention()
+            ok, why = type(backend).availability(self.device)
             if ok:
-                dc = self.drafter.config
-                widths = (dc.kv_lora_rank, dc.qk_rope_head_dim) if dc.is_mla else (dc.head_dim, 0)
-                why = graph_cls.shape_support(*widths, self.kv.tokens_per_block)
-            backend = (self.backend if own else TritonAttention()) if ok and not why else None
+                why = type(backend).shape_support(*self._widths(), self.kv.tokens_per_block)
+            backend = backend if ok and not why else None
         elif self.backend.capabilities.device_lengths:
             backend, why = self.backend, ""
         else:
@@ -138,13 +139,36 @@ class DSparkWorker(Drafter):
             self.graph_backend = why
             return
         self.graph_backend = backend.name
-        if cuda_graphs and self.cfg.attention_backend == "AUTO" and not self.backend.capabilities.device_lengths:
+        if auto:
             # AUTO: the draft steps outside the graph (a step with an arriving prompt) use the graph's
             # backend too, so no draft step plans on the host or waits for the GPU
-            self.backend = TritonAttention()
-            self.resolution = Resolution("TRITON", "AUTO with CUDA graphs: the device draft step's backend for "
-                                         "every draft step (KV lengths read on the device: no host plan, no sync)")
-            logger.info("draft attention backend TRITON (%s)", self.resolution.reason)
+            self.backend = backend
+            self.resolution = Resolution(backend.name, f"AUTO with CUDA graphs: the device draft step's backend "
+                                         f"for every draft step (KV lengths read on the device: no host plan, no "
+                                         f"sync); {note}")
+            logger.info("draft attention backend %s (%s)", backend.name, self.resolution.reason)
+
+    def _widths(self) -> tuple[int, int]:
+        """(v_dim, rope_dim) of the drafter's attention for `shape_support`."""
+        dc = self.drafter.config
+        return (dc.kv_lora_rank, dc.qk_rope_head_dim) if dc.is_mla else (dc.head_dim, 0)
+
+    def _auto_graph_backend(self) -> tuple[AttentionBackend, str]:
+        """AUTO's device draft backend and why: CUTEDSL (TRITON attention, the prep and append as the CuTe DSL
+        kernel) where its support predicate holds (CUDA sm90+, nvidia-cutlass-dsl and apache-tvm-ffi
+        importable, the widths supported, every drafter layer hands over unrotated rows), else TRITON."""
+        from ..attention_backend.cute_dsl_backend import CuteDslAttention
+        from ..attention_backend.triton_backend import TritonAttention
+        ok, why = CuteDslAttention.availability(self.device)
+        if ok:
+            why = CuteDslAttention.shape_support(*self._widths(), self.kv.tokens_per_block)
+        cute = CuteDslAttention()
+        if ok and not why:
+            unfused = [i for i, layer in enumerate(self.drafter.layers) if not layer.fuses_rope_append(cute)]
+            why = f"layers {unfused} cannot hand over unrotated rows" if unfused else ""
+        if ok and not why:
+            return cute, "CUTEDSL: its support predicate holds"
+        return TritonAttention(), f"TRITON (CUTEDSL: {why})"
 
     @property
     def drafts_on_device(self) -> bool:

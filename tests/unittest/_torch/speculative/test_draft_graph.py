@@ -208,14 +208,17 @@ def test_split_steps_with_staggered_arrivals_are_lossless(llama64_dir, tmp_path_
 @gpu
 @pytest.mark.parametrize("kind", ["gqa", "mla"])
 def test_auto_drafter_takes_the_graph_backend_and_arrivals_stay_lossless(llama64_dir, tmp_path_factory, kind):
-    """Drafter on AUTO with CUDA graphs: every draft step runs the device draft step's TRITON backend
-    (a step with an arriving prompt drafts eagerly, with no host plan); staggered arrivals on a
+    """Drafter on AUTO with CUDA graphs: every draft step runs the device draft step's backend, CUTEDSL
+    where its support predicate holds (here: nvidia-cutlass-dsl carried to the H200), else TRITON (a step
+    with an arriving prompt drafts eagerly on it, with no host plan); staggered arrivals on a
     TRITON target give the no-spec graph engine's output token for token, prompt-only steps among
     them read one step late (`draft_arrivals`), arrivals inside a one-graph step among them
     (`MixedSpecGraph`), and, with that form off, beside it (`anchor_arrivals`). Control: an explicit
     FLASHINFER choice is kept."""
+    from tensorrt_llm._torch.attention_backend.cute_dsl_backend import CuteDslAttention
     from tensorrt_llm._torch.attention_backend.triton_backend import TritonAttention
     drafter = _drafter(tmp_path_factory, llama64_dir, kind)
+    expected = "CUTEDSL" if CuteDslAttention.availability(torch.device("cuda"))[0] else "TRITON"
     prompts = PROMPTS + [p[::-1] for p in PROMPTS]
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (40, 17, 29, 8, 33, 21, 12, 40, 25, 9, 31, 3)]
     common = dict(device="cuda", attn_backend="TRITON", max_batch_size=4, use_cuda_graph=True,
@@ -226,8 +229,8 @@ def test_auto_drafter_takes_the_graph_backend_and_arrivals_stay_lossless(llama64
     with LLM(str(llama64_dir), speculative_config=spec, **common) as llm:
         chosen = llm.capacity_report["attention_backend"]["draft"]
         worker: DSparkWorker = llm._executor.drafter
-        assert chosen["name"] == "TRITON" and chosen["reason"].startswith("AUTO with CUDA graphs"), chosen
-        assert isinstance(worker.backend, TritonAttention) and worker.backend is not worker.graph_runner.backend
+        assert chosen["name"] == expected and chosen["reason"].startswith("AUTO with CUDA graphs"), chosen
+        assert isinstance(worker.backend, TritonAttention) and worker.backend is worker.graph_runner.backend
         toks = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         steps = llm.get_stats()["steps"]
         llm._executor.engine.mixed_step = None
