@@ -71,7 +71,7 @@ class DSparkDecodingConfig(StrictBaseModel):
         default="AUTO", description="Attention backend for the drafter. CUTEDSL: TRITON's paged attention with "
         "the queries' and K / latent rows' RMSNorm + RoPE and their page-bounded append as one CuTe DSL launch "
         "per layer (CUDA sm90+, the 'cutedsl' extra; a drafter with layer regions and half-rotation RoPE, else "
-        "the load raises). AUTO does not pick CUTEDSL.")
+        "the load raises). AUTO: with CUDA graphs, CUTEDSL where its support predicate holds, else TRITON.")
     mla_fold_output: bool = Field(
         default=False, description="MLA drafters: fold W_UV into o_proj at load, so each layer takes its "
         "absorbed attention's latent output to the hidden size in one [hidden, heads x kv_lora_rank] GEMM "

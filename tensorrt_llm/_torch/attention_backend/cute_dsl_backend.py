@@ -15,9 +15,8 @@ so a layer makes as many launches as on TRITON (whose `triton_rope_append` does 
 Triton launch): the same inputs, validation, page bound and refusal counter (this class is a
 `TritonAttention`: `refused_writes`, device lengths and graph support are TRITON's). An MLA drafter's
 context latents of all layers (the stacked pool) go through the CuTe DSL norm + RoPE kernel
-(`cute_norm_rope`) with the layers' norm weights per row (`MLADSparkForCausalLM`). AUTO keeps TRITON /
-FLASHINFER (`resolver`): on the H200 a DSpark step with this backend serves 0-11% fewer tokens per second
-than with TRITON (`docs/dspark.md`).
+(`cute_norm_rope`) with the layers' norm weights per row (`MLADSparkForCausalLM`). A drafter on AUTO with
+CUDA graphs takes this backend where its support predicate holds (`DSparkWorker._auto_graph_backend`).
 """
 from __future__ import annotations
 

@@ -4,15 +4,13 @@ CPU -> VANILLA. CUDA + MLA drafter -> FLASHINFER's absorbed-MLA paged decode, or
 flashinfer cannot run the model's dtype (float32); it never degrades to VANILLA (a clear error
 names what is missing). CUDA + GQA -> FLASHINFER -> VANILLA, degrading with a logged reason.
 Every choice is checked against the backend's declared `capabilities` (device, dtype, fp8 KV).
-TRITON (plan-free, lengths on the device) is otherwise an explicit choice; a DSpark drafter under
-AUTO with CUDA graphs then switches to its device draft step's TRITON backend for every draft step
-(`DSparkWorker.enable_device_drafts`). CUTEDSL (TRITON attention with the norm + RoPE prep and the
-page-bounded append as one CuTe DSL launch per layer, `cute_rope_append`, sm90+, nvidia-cutlass-dsl) is a
-drafter's explicit choice only: AUTO does not pick it where it could run. On the H200 a DSpark step with
-CUTEDSL (one launch per layer, as TRITON) took 0-4% more GPU time and served 0-11% fewer tokens per second
-than with TRITON: its kernel is slower per launch and its step graph costs more host time to launch
-(`docs/dspark.md`). An explicit choice that cannot run raises; an unknown name raises (listing the known
-ones).
+TRITON (plan-free, lengths on the device) is otherwise an explicit choice here. A DSpark drafter under
+AUTO with CUDA graphs then switches every draft step to its device draft step's backend
+(`DSparkWorker.enable_device_drafts`): CUTEDSL (TRITON attention with the norm + RoPE prep and the
+page-bounded append as one CuTe DSL launch per layer, `cute_rope_append`) where its support predicate
+holds (CUDA sm90+, nvidia-cutlass-dsl and apache-tvm-ffi importable, the drafter's widths and layers
+supported), else TRITON, the reason logged. An explicit choice that cannot run raises; an unknown name
+raises (listing the known ones).
 """
 from __future__ import annotations
 

@@ -125,11 +125,12 @@ def _mla_rope_append_kernel(qf_ptr, stride_qft, stride_qfh, wuk_ptr, qp_ptr, str
                             ABSORB: tl.constexpr, BT: tl.constexpr, RC: tl.constexpr, NC: tl.constexpr,
                             PAGE: tl.constexpr,
                             RAGGED: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_B: tl.constexpr,
-                            F32_DOT: tl.constexpr):
+                            F32_DOT: tl.constexpr, IEEE: tl.constexpr):
     """Program (token block tb, h): h < H * NC builds columns c*RC.. (c = h % NC) of head h // NC's q rows
     of tokens tb*BT.. (q_nope W_UK[head] by one dot with ABSORB, else q_lat copied; c = 0 also rope(q_pe)),
     so the R-wide product spreads over NC programs per head; h = H * NC + i appends token tb*BT + i's latent.
-    F32_DOT: the dot's operands in float32 (the CPU interpreter, whose 16-bit dot is wrong)."""
+    F32_DOT: the dot's operands in float32 (the CPU interpreter, whose 16-bit dot is wrong); IEEE: a float32
+    model's product in full float32 (tl.dot's default for float32 operands is TF32)."""
     tb = tl.program_id(0)
     h = tl.program_id(1)
     t = tb * BT + tl.arange(0, BT)
@@ -146,7 +147,11 @@ def _mla_rope_append_kernel(qf_ptr, stride_qft, stride_qfh, wuk_ptr, qp_ptr, str
             w = tl.load(wuk_ptr + head * (NOPE * R) + n[:, None] * R + rc[None, :])
             if F32_DOT:
                 q_nope, w = q_nope.to(tl.float32), w.to(tl.float32)
-            tl.store(row + rc[None, :], tl.dot(q_nope, w).to(dt), mask=tok)
+            if IEEE:
+                lat = tl.dot(q_nope, w, input_precision="ieee")
+            else:
+                lat = tl.dot(q_nope, w)
+            tl.store(row + rc[None, :], lat.to(dt), mask=tok)
         else:
             tl.store(row + rc[None, :], tl.load(qf + rc[None, :], mask=tok, other=0.0).to(dt), mask=tok)
         if h % NC == 0:
@@ -256,5 +261,5 @@ def mla_rope_append(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, c
         qo_indptr if qo_indptr is not None else slot_mapping, b_n, max(tokens_per_seq, 1), kv_cache.shape[0], refused,
         t_n, H=heads, R=rank, DR=rope_dim, NOPE=first, ABSORB=w_uk is not None, BT=bt, RC=rc, NC=rank // rc,
         PAGE=page_size, RAGGED=qo_indptr is not None, **_owner_blocks(w, b_n), F32_DOT=q_lat.device.type != "cuda",
-        num_warps=4)
+        IEEE=q_lat.dtype == torch.float32, num_warps=4)
     return out
