@@ -17,7 +17,9 @@ separately. Prints a table; --json writes it.
 `cute_mla_rope_append`) against TRITON's (`rope_append`, `mla_rope_append` given q_lat) at the drafter's
 layer shapes: B requests x 8 block tokens, GQA 16 q / 16 KV heads x 64 with head norms (q, k, v views of one
 q|k|v buffer), MLA 16 heads, latent 512 + rope 64 (q_pe a view of the q buffer, the latent a view of the
-projection output), page 32, each request owning its pages. One JSON line per kind and batch: "graph_us"
+projection output), page 32, each request owning its 13 pages, its block-table row padded with BAD_PAGE_INDEX
+to --table-width entries (the engine's rows are as wide as its longest request allows, and the CuTe kernel's
+page-ownership check scans the whole row). One JSON line per kind and batch: "graph_us"
 and "eager_us" (as --norm-rope) for "cute" and "triton", and the max abs difference of their q outputs.
 --w-uv (instead of the attention shapes): the MLA draft block with its output through W_UV at the default
 split count and at each --splits count: the attention then `mla_value_projection` (as the engine runs it)
@@ -36,7 +38,8 @@ difference of the two outputs.
         --splits 1 2 4 8 16 --json $OUT/attn.json
     python3 examples/gpu/attention_bench.py --batch 16 64 --ctx 256 512 --splits --configs --json $OUT/cfg.json
     python3 examples/gpu/attention_bench.py --norm-rope --json $OUT/norm_rope.json
-    python3 examples/gpu/attention_bench.py --rope-append --batch 1 16 64 --json $OUT/rope_append.json
+    python3 examples/gpu/attention_bench.py --rope-append --batch 1 16 64 --table-width 13 128 \\
+        --json $OUT/rope_append.json
     python3 examples/gpu/attention_bench.py --w-uv --batch 1 4 16 --ctx 256 512 --splits 1 2 4 8 16 \\
         --json $OUT/w_uv.json
 """
@@ -201,13 +204,14 @@ def _norm_rope_case(name: str, batch: int, dev: torch.device) -> dict:
             "max_abs_diff": diff}
 
 
-def _rope_append_case(kind: str, batch: int, dev: torch.device) -> dict:
+def _rope_append_case(kind: str, batch: int, dev: torch.device, table_width: int) -> dict:
     from tensorrt_llm._torch.attention_backend.cute_rope_append import cute_mla_rope_append, cute_rope_append
-    from tensorrt_llm._torch.attention_backend.interface import HeadNorms
+    from tensorrt_llm._torch.attention_backend.interface import BAD_PAGE_INDEX, HeadNorms
     from tensorrt_llm._torch.attention_backend.triton_rope_append import mla_rope_append, rope_append
     t, page, heads, bf = batch * 8, 32, 16, torch.bfloat16
     own = 1 + 400 // page
-    tables = torch.arange(batch * own, dtype=torch.int32, device=dev).view(batch, own)
+    tables = torch.full((batch, max(table_width, own)), BAD_PAGE_INDEX, dtype=torch.int32, device=dev)
+    tables[:, :own] = torch.arange(batch * own, dtype=torch.int32, device=dev).view(batch, own)
     pos = 400 + torch.arange(8, device=dev)
     slots = (tables.long()[:, pos // page] * page + pos % page).reshape(-1)
     cos, sin = (torch.randn(t, 1, 64, device=dev) for _ in range(2))
@@ -227,7 +231,7 @@ def _rope_append_case(kind: str, batch: int, dev: torch.device) -> dict:
                     kv_cache=torch.zeros(batch * own, 1, 1, page, 576, device=dev, dtype=bf), **common)
         cute, tri = (lambda: cute_mla_rope_append(**args)), (lambda: mla_rope_append(**args))   # noqa: E731
     diff = (cute().float() - tri().float()).abs().max().item()
-    return {"kind": kind, "batch": batch, "tokens": t, "max_abs_diff": diff,
+    return {"kind": kind, "batch": batch, "tokens": t, "table_width": tables.shape[1], "max_abs_diff": diff,
             "cute": {"graph_us": round(graph_us(cute), 2), "eager_us": round(_eager_us(cute), 2)},
             "triton": {"graph_us": round(graph_us(tri), 2), "eager_us": round(_eager_us(tri), 2)}}
 
@@ -243,6 +247,8 @@ def main() -> None:
     ap.add_argument("--norm-rope", action="store_true", help="time the CuTe DSL norm + RoPE prep (module doc) only")
     ap.add_argument("--rope-append", action="store_true", help="time CUTEDSL's fused prep + append against "
                     "TRITON's only (module doc)")
+    ap.add_argument("--table-width", type=int, nargs="+", default=[0], help="--rope-append: block-table entries "
+                    "per request, each a case (the 13 owned pages, then BAD_PAGE_INDEX)")
     ap.add_argument("--w-uv", action="store_true", help="time the MLA draft block with W_UV only (module doc)")
     ap.add_argument("--json")
     a = ap.parse_args()
@@ -252,8 +258,8 @@ def main() -> None:
         for b in a.batch:
             rows.append(_norm_rope_case(name, b, dev))
             print(json.dumps(rows[-1]), flush=True)
-    for kind, b in itertools.product(("gqa", "mla"), a.batch) if a.rope_append else ():
-        rows.append(_rope_append_case(kind, b, dev))
+    for kind, b, width in itertools.product(("gqa", "mla"), a.batch, a.table_width) if a.rope_append else ():
+        rows.append(_rope_append_case(kind, b, dev, width))
         print(json.dumps(rows[-1]), flush=True)
     for b, ctx in itertools.product(a.batch, a.ctx) if a.w_uv else ():
         rows.append(_w_uv_case(b, ctx, dev, a.splits))
